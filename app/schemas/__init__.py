@@ -1,0 +1,232 @@
+"""Request and response models of the public API (API.md); validation rules live here."""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated, Any, Literal
+
+import orjson
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    field_validator,
+    model_validator,
+)
+
+from app.geo.tokenize import normalize_keywords
+
+Lon = Annotated[float, Field(ge=-180.0, le=180.0, allow_inf_nan=False, strict=True)]
+Lat = Annotated[float, Field(ge=-90.0, le=90.0, allow_inf_nan=False, strict=True)]
+Ts = Annotated[float, Field(ge=0.0, le=1e11, allow_inf_nan=False, strict=True)]
+Keyword = Annotated[str, StringConstraints(min_length=1, max_length=64, strict=True)]
+ObjectId = Annotated[str, StringConstraints(min_length=1, max_length=128, strict=True)]
+MAX_PROPS_BYTES = 4096
+TTL_MIN_S, TTL_MAX_S = 60, 30 * 24 * 3600
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ObjectIn(Strict):
+    id: ObjectId | None = None
+    lon: Lon
+    lat: Lat
+    ts: Ts | None = None
+    text: Annotated[str, StringConstraints(max_length=2000, strict=True)] | None = None
+    keywords: Annotated[list[Keyword], Field(max_length=64)] | None = None
+    props: dict[str, Any] | None = None
+
+    @field_validator("keywords")
+    @classmethod
+    def _lower(cls, v: list[str] | None) -> list[str] | None:
+        return None if v is None else normalize_keywords(v)
+
+    @field_validator("props")
+    @classmethod
+    def _props_size(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        if v is not None:
+            try:
+                size = len(orjson.dumps(v))
+            except (TypeError, orjson.JSONEncodeError) as exc:
+                raise ValueError(f"props must be JSON-serialisable: {exc}") from None
+            if size > MAX_PROPS_BYTES:
+                raise ValueError(f"props is {size} bytes encoded; at most {MAX_PROPS_BYTES}")
+        return v
+
+
+class ObjectBatch(Strict):
+    objects: Annotated[list[ObjectIn], Field(min_length=1)]
+
+
+class ObjectsAccepted(BaseModel):
+    accepted: int
+    ids: list[str]
+
+
+class ObjectOut(BaseModel):
+    id: str
+    lon: float
+    lat: float
+    ts: float
+    keywords: list[str]
+    props: dict[str, Any] | None = None
+
+
+# --- subscriptions --------------------------------------------------------------------------
+
+class Circle(Strict):
+    lon: Lon
+    lat: Lat
+    radius_m: Annotated[float, Field(ge=1.0, le=1_000_000.0, allow_inf_nan=False, strict=True)]
+
+
+SubKeywords = Annotated[list[Keyword], Field(min_length=1, max_length=16)]
+Ttl = Annotated[float, Field(ge=TTL_MIN_S, le=TTL_MAX_S, allow_inf_nan=False, strict=True)]
+Detect = Literal["inside", "enter", "exit"]
+
+
+def _check_bbox(v: list[float] | None) -> list[float] | None:
+    if v is not None:
+        min_lon, min_lat, max_lon, max_lat = v
+        if min_lon > max_lon or min_lat > max_lat:
+            raise ValueError("bbox must be [min_lon, min_lat, max_lon, max_lat] with min ≤ max")
+    return v
+
+
+BBox = Annotated[list[float], Field(min_length=4, max_length=4)]
+
+
+class _KeywordPredicate(Strict):
+    keywords: SubKeywords | None = None
+    match: Literal["any", "all"] = "any"
+    ttl_s: Ttl | None = None
+
+    @field_validator("keywords")
+    @classmethod
+    def _lower(cls, v: list[str] | None) -> list[str] | None:
+        return None if v is None else normalize_keywords(v)
+
+
+class RangeSubscription(_KeywordPredicate):
+    type: Literal["range"]
+    bbox: BBox | None = None
+    circle: Circle | None = None
+    detect: list[Detect] | None = None
+
+    @field_validator("bbox", mode="before")
+    @classmethod
+    def _bbox_items(cls, v: Any) -> Any:
+        if isinstance(v, list) and len(v) == 4:
+            for i, c in enumerate(v):
+                if isinstance(c, bool) or not isinstance(c, int | float):
+                    raise ValueError(f"bbox[{i}] must be a number")
+                if not math.isfinite(c):
+                    raise ValueError(f"bbox[{i}] must be finite")
+            lim = (180, 90, 180, 90)
+            for i, c in enumerate(v):
+                if abs(c) > lim[i]:
+                    raise ValueError(f"bbox[{i}] = {c} is outside ±{lim[i]}")
+        return v
+
+    @field_validator("bbox")
+    @classmethod
+    def _bbox_order(cls, v: list[float] | None) -> list[float] | None:
+        return _check_bbox(v)
+
+    @field_validator("detect", mode="before")
+    @classmethod
+    def _detect_one(cls, v: Any) -> Any:
+        return [v] if isinstance(v, str) else v
+
+    @field_validator("detect")
+    @classmethod
+    def _detect_unique(cls, v: list[str] | None) -> list[str] | None:
+        if v is not None:
+            if not v:
+                raise ValueError("detect must name at least one of inside, enter, exit")
+            v = list(dict.fromkeys(v))
+        return v
+
+    @model_validator(mode="after")
+    def _one_region(self) -> RangeSubscription:
+        if (self.bbox is None) == (self.circle is None):
+            raise ValueError("a range subscription needs exactly one of bbox or circle")
+        return self
+
+
+class KeywordSubscription(_KeywordPredicate):
+    type: Literal["keyword"]
+    keywords: SubKeywords
+
+
+class KnnSubscription(_KeywordPredicate):
+    type: Literal["knn"]
+    point: Annotated[list[float], Field(min_length=2, max_length=2)]
+    k: Annotated[int, Field(ge=1, le=1000, strict=True)]
+
+    @field_validator("point")
+    @classmethod
+    def _point(cls, v: list[float]) -> list[float]:
+        lon, lat = v
+        if not (math.isfinite(lon) and math.isfinite(lat)):
+            raise ValueError("point must be finite [lon, lat]")
+        if not (-180 <= lon <= 180 and -90 <= lat <= 90):
+            raise ValueError("point must be [lon, lat] with -180 ≤ lon ≤ 180, -90 ≤ lat ≤ 90")
+        return v
+
+
+SubscriptionIn = Annotated[
+    RangeSubscription | KeywordSubscription | KnnSubscription, Field(discriminator="type")
+]
+
+
+class SubscriptionBatch(Strict):
+    subscriptions: Annotated[list[SubscriptionIn], Field(min_length=1)]
+
+
+class SubscriptionOut(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    id: str
+    type: str
+    created_at: float
+    expires_at: float | None
+
+
+class SubscriptionIds(BaseModel):
+    ids: list[str]
+
+
+class SubscriptionPage(BaseModel):
+    items: list[SubscriptionOut]
+    next_cursor: str | None
+
+
+# --- keys ---------------------------------------------------------------------------------
+
+TenantName = Annotated[
+    str, StringConstraints(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$", strict=True)
+]
+
+
+class KeyCreate(Strict):
+    tenant: TenantName
+    admin: Annotated[bool, Field(strict=True)] = False
+
+
+class KeyCreated(BaseModel):
+    id: str
+    key: str
+    tenant: str
+    admin: bool
+
+
+def subscription_spec(sub: RangeSubscription | KeywordSubscription | KnnSubscription) -> dict[str, Any]:
+    """The stored form of a subscription: the given fields, defaults applied, ttl excluded."""
+    spec = sub.model_dump(exclude_none=True, exclude={"ttl_s"})
+    if sub.ttl_s is not None:
+        spec["ttl_s"] = sub.ttl_s
+    return spec

@@ -1,0 +1,41 @@
+"""Admin: API keys (`POST/DELETE /v1/admin/keys`)."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Response
+from starlette.concurrency import run_in_threadpool
+
+from app.api.deps import AdminDep, StateDep
+from app.core.db import session_scope
+from app.core.errors import NotFound
+from app.schemas import KeyCreate, KeyCreated
+from app.services import keys as key_service
+
+router = APIRouter(prefix="/v1/admin/keys", tags=["admin"])
+
+
+@router.post("", status_code=201, response_model=KeyCreated)
+async def create_key(body: KeyCreate, state: StateDep, _admin: AdminDep) -> KeyCreated:
+    """Create an API key; the key is shown only once."""
+
+    def work() -> KeyCreated:
+        with session_scope(state.sessions) as session:
+            row, key = key_service.create_key(session, body.tenant, body.admin)
+            return KeyCreated(id=row.id, key=key, tenant=row.tenant, admin=row.admin)
+
+    return await run_in_threadpool(work)
+
+
+@router.delete("/{key_id}", status_code=204)
+async def revoke_key(key_id: str, state: StateDep, _admin: AdminDep) -> Response:
+    """Revoke a key: it stops working at once, also for open WebSockets."""
+
+    def work() -> bool:
+        with session_scope(state.sessions) as session:
+            return key_service.revoke_key(session, key_id)
+
+    if not await run_in_threadpool(work):
+        raise NotFound(f"no API key with id {key_id!r}")
+    if state.hub is not None:
+        await state.hub.key_revoked(key_id)
+    return Response(status_code=204)

@@ -1,0 +1,134 @@
+"""Objects: publish a validated batch (JSON or NDJSON) and read a moving object's latest record."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import orjson
+from fastapi import APIRouter, Request
+from fastapi.exceptions import RequestValidationError
+from pydantic import TypeAdapter, ValidationError
+
+from app.api.deps import StateDep, TenantDep
+from app.core.errors import BadRequest, NotFound, PayloadTooLarge, Unavailable
+from app.geo.tokenize import normalize_keywords, tokenize
+from app.pipeline.records import RecordBatch, new_event_ids
+from app.schemas import ObjectBatch, ObjectIn, ObjectOut, ObjectsAccepted
+
+router = APIRouter(prefix="/v1/objects", tags=["objects"])
+
+_objects = TypeAdapter(list[ObjectIn])
+
+_BODY_DOC = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "application/json": {"schema": {"$ref": "#/components/schemas/ObjectBatch"}},
+            "application/x-ndjson": {
+                "schema": {"type": "string", "description": "one OBJECT per line"}},
+        },
+    }
+}
+
+
+def parse_objects(body: bytes, content_type: str, max_batch: int) -> list[ObjectIn]:
+    """Parse and validate the whole batch; raise before anything is accepted."""
+    if "ndjson" in content_type or "jsonlines" in content_type:
+        raw: list[Any] = []
+        for n, line in enumerate(body.splitlines()):
+            if not line.strip():
+                continue
+            try:
+                raw.append(orjson.loads(line))
+            except orjson.JSONDecodeError as exc:
+                raise BadRequest(f"malformed JSON on NDJSON line {n + 1}: {exc}") from None
+            if len(raw) > max_batch:
+                break
+        prefix: tuple[Any, ...] = ("body",)
+    else:
+        try:
+            doc = orjson.loads(body)
+        except orjson.JSONDecodeError as exc:
+            raise BadRequest(f"malformed JSON: {exc}") from None
+        if not isinstance(doc, dict) or not isinstance(doc.get("objects"), list):
+            try:
+                ObjectBatch.model_validate(doc)
+            except ValidationError as exc:
+                raise RequestValidationError(_with_prefix(exc, ("body",))) from None
+        raw = doc["objects"]
+        extra = set(doc) - {"objects"}
+        if extra:
+            raise RequestValidationError([{
+                "type": "extra_forbidden", "loc": ("body", sorted(extra)[0]),
+                "msg": "Extra inputs are not permitted", "input": doc[sorted(extra)[0]]}])
+        prefix = ("body", "objects")
+    if len(raw) > max_batch:
+        raise PayloadTooLarge(f"batch of {len(raw)} objects is over max_batch ({max_batch})")
+    if not raw:
+        raise RequestValidationError([{
+            "type": "too_short", "loc": prefix, "msg": "the batch holds no object", "input": []}])
+    try:
+        return _objects.validate_python(raw)
+    except ValidationError as exc:
+        raise RequestValidationError(_with_prefix(exc, prefix)) from None
+
+
+def _with_prefix(exc: ValidationError, prefix: tuple[Any, ...]) -> list[dict[str, Any]]:
+    errors = []
+    for err in exc.errors(include_url=False):
+        err = dict(err)
+        err["loc"] = prefix + tuple(err["loc"])
+        ctx = err.get("ctx")
+        if ctx:
+            err["ctx"] = {k: str(v) for k, v in ctx.items()}
+        errors.append(err)
+    return errors
+
+
+def to_records(objs: list[ObjectIn], tenant: str, now: float) -> RecordBatch:
+    n = len(objs)
+    event_ids = iter(new_event_ids(sum(1 for o in objs if o.id is None)))
+    ids: list[str] = []
+    moving: list[bool] = []
+    keywords: list[list[str]] = []
+    for o in objs:
+        moving.append(o.id is not None)
+        ids.append(o.id if o.id is not None else next(event_ids))
+        kws = o.keywords or []
+        if o.text:
+            kws = normalize_keywords([*kws, *tokenize(o.text)])
+        keywords.append(kws)
+    return RecordBatch(
+        tenant=tenant,
+        ids=ids,
+        moving=moving,
+        lon=[o.lon for o in objs],
+        lat=[o.lat for o in objs],
+        ts=[o.ts if o.ts is not None else now for o in objs],
+        keywords=keywords,
+        text=[o.text for o in objs],
+        props=[o.props for o in objs],
+        size=n,
+    )
+
+
+@router.post("", status_code=202, response_model=ObjectsAccepted, openapi_extra=_BODY_DOC)
+async def publish(request: Request, state: StateDep, principal: TenantDep) -> ObjectsAccepted:
+    """Publish a batch of objects; 202 once the whole batch is durably queued."""
+    body = await request.body()
+    objs = parse_objects(body, request.headers.get("content-type", ""), state.settings.max_batch)
+    batch = to_records(objs, principal.tenant, time.time())
+    if state.router is None:
+        raise Unavailable("the live pipeline is not running", headers={"Retry-After": "1"})
+    await state.router.publish(batch)
+    return ObjectsAccepted(accepted=batch.size, ids=batch.ids)
+
+
+@router.get("/{object_id}", response_model=ObjectOut)
+async def get_object(object_id: str, state: StateDep, principal: TenantDep) -> ObjectOut:
+    """The latest record of a moving object."""
+    rec = None if state.router is None else await state.router.latest(principal.tenant, object_id)
+    if rec is None:
+        raise NotFound(f"no moving object with id {object_id!r}")
+    return ObjectOut(**rec)

@@ -1,0 +1,101 @@
+"""Subscriptions: create (one or a batch), list, get, delete (API.md, subscriptions)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Body, Query, Response
+from starlette.concurrency import run_in_threadpool
+
+from app.api.deps import StateDep, TenantDep
+from app.core.errors import NotFound, PayloadTooLarge
+from app.schemas import SubscriptionBatch, SubscriptionIds, SubscriptionIn, subscription_spec
+from app.services import subscriptions as sub_service
+from app.services.pipeline_sql import apply_with_pipeline
+
+router = APIRouter(prefix="/v1/subscriptions", tags=["subscriptions"])
+
+
+@router.post("", status_code=201)
+async def create_subscription(
+    body: Annotated[SubscriptionIn, Body()], state: StateDep, principal: TenantDep
+) -> dict[str, Any]:
+    """Register one continuous query."""
+    rows = await apply_with_pipeline(
+        state,
+        lambda s: sub_service.create_many(s, principal.tenant, [subscription_spec(body)]),
+        added=True,
+    )
+    return sub_service.to_public(rows[0])
+
+
+@router.post("/batch", status_code=201, response_model=SubscriptionIds)
+async def create_subscriptions(
+    body: SubscriptionBatch, state: StateDep, principal: TenantDep
+) -> SubscriptionIds:
+    """Register many continuous queries at once; all or none."""
+    if len(body.subscriptions) > state.settings.max_batch:
+        raise PayloadTooLarge(
+            f"batch of {len(body.subscriptions)} subscriptions is over max_batch "
+            f"({state.settings.max_batch})")
+    specs = [subscription_spec(s) for s in body.subscriptions]
+    rows = await apply_with_pipeline(
+        state, lambda s: sub_service.create_many(s, principal.tenant, specs), added=True
+    )
+    return SubscriptionIds(ids=[r.id for r in rows])
+
+
+@router.get("")
+async def list_subscriptions(
+    state: StateDep,
+    principal: TenantDep,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+    cursor: Annotated[str | None, Query(max_length=64)] = None,
+) -> dict[str, Any]:
+    """List this tenant's subscriptions, oldest first, with cursor pagination."""
+    after = 0
+    if cursor:
+        decoded = sub_service.decode_cursor(cursor)
+        if decoded is None:
+            from fastapi.exceptions import RequestValidationError
+
+            raise RequestValidationError([{
+                "type": "value_error", "loc": ("query", "cursor"),
+                "msg": "cursor is not one this server issued", "input": cursor}])
+        after = decoded
+
+    def work() -> dict[str, Any]:
+        with state.sessions() as session:
+            rows, nxt = sub_service.list_page(session, principal.tenant, limit, after)
+            return {"items": [sub_service.to_public(r) for r in rows], "next_cursor": nxt}
+
+    return await run_in_threadpool(work)
+
+
+@router.get("/{sub_id}")
+async def get_subscription(sub_id: str, state: StateDep, principal: TenantDep) -> dict[str, Any]:
+    """One subscription of this tenant."""
+
+    def work() -> dict[str, Any] | None:
+        with state.sessions() as session:
+            row = sub_service.get(session, principal.tenant, sub_id)
+            return None if row is None else sub_service.to_public(row)
+
+    out = await run_in_threadpool(work)
+    if out is None:
+        raise NotFound(f"no subscription with id {sub_id!r}")
+    return out
+
+
+@router.delete("/{sub_id}", status_code=204)
+async def delete_subscription(sub_id: str, state: StateDep, principal: TenantDep) -> Response:
+    """Delete a subscription; nothing is delivered for objects accepted after the 204."""
+
+    def remove(session: Any) -> list[Any]:
+        row = sub_service.delete_one(session, principal.tenant, sub_id)
+        return [] if row is None else [row]
+
+    rows = await apply_with_pipeline(state, remove, added=False)
+    if not rows:
+        raise NotFound(f"no subscription with id {sub_id!r}")
+    return Response(status_code=204)

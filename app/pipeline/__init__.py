@@ -1,0 +1,1 @@
+"""The live pipeline shared by api and workers: stream names, message codecs, routing."""

@@ -1,0 +1,338 @@
+"""The WebSocket hub of one api process: pushes history entries to listening clients.
+
+Workers append matches to per-subscription history streams and publish which subscriptions
+changed; the hub wakes the connections that listen to them and each connection's pump reads
+its subscriptions' histories from its own positions, so a slow client only delays itself.
+Delivery implements one tiny protocol (send / close), as Tile38's delivery does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+import orjson
+import redis.asyncio as aioredis
+import redis.exceptions
+
+from app.pipeline import records as R
+
+if TYPE_CHECKING:
+    from app.api.deps import AppState
+    from app.core.security import Principal
+
+log = logging.getLogger(__name__)
+
+DETECT_NAMES = ("inside", "enter", "exit")
+MAX_SEQ = 18446744073709551615
+
+
+class Transport(Protocol):
+    async def send(self, frame: str) -> None: ...
+    async def close(self, code: int, reason: str) -> None: ...
+
+
+# --- cursors ------------------------------------------------------------------------------
+
+Position = tuple[int, int, int]  # (ms, seq, index within the entry): deliver what is after
+
+
+def parse_entry_id(eid: str) -> tuple[int, int]:
+    ms, _, seq = eid.partition("-")
+    return int(ms), int(seq or 0)
+
+
+def parse_cursor(cursor: str) -> Position | None:
+    """A cursor is `<history entry id>:<index>`; None when it is not one we issued."""
+    try:
+        eid, _, idx = cursor.partition(":")
+        ms, seq = parse_entry_id(eid)
+        i = int(idx)
+    except ValueError:
+        return None
+    if ms < 0 or seq < 0 or i < 0 or "-" not in eid or not idx:
+        return None
+    return ms, seq, i
+
+
+def format_cursor(eid: str, index: int) -> str:
+    return f"{eid}:{index}"
+
+
+def start_position(server_ms: int) -> Position:
+    """Everything written from server time `server_ms` on (delivery starts at listen)."""
+    return server_ms - 1, MAX_SEQ, MAX_SEQ
+
+
+def entry_start(pos: Position) -> str:
+    ms, seq, _ = pos
+    if seq == MAX_SEQ:
+        return f"{ms + 1}-0"
+    return f"{ms}-{seq}"
+
+
+@dataclass
+class HistoryBatch:
+    lines: list[bytes]
+    position: Position
+    full: bool
+
+
+async def read_history(redis: aioredis.Redis, sub_id: str, pos: Position, count: int,
+                       tenant: str) -> HistoryBatch:
+    """Messages of `sub_id` after `pos`, at most about `count` entries."""
+    entries = await redis.xrange(R.history_key(sub_id), min=entry_start(pos), count=count)
+    return await render_entries(redis, sub_id, entries, pos, count, tenant)
+
+
+async def render_entries(redis: aioredis.Redis, sub_id: str,
+                         entries: list[tuple[bytes, dict[bytes, bytes]]], pos: Position,
+                         count: int, tenant: str) -> HistoryBatch:
+    wanted: dict[bytes, list[bytes]] = {}
+    parsed: list[tuple[str, tuple[int, int], list[Any], dict[bytes, bytes]]] = []
+    for eid_b, fields in entries:
+        eid = eid_b.decode()
+        key = parse_entry_id(eid)
+        refs = R.unpack(fields[b"m"]) if b"m" in fields else []
+        parsed.append((eid, key, refs, fields))
+        if b"b" in fields:
+            rkey = R.records_key(tenant, int(fields[b"b"]))
+            lst = wanted.setdefault(rkey.encode(), [])
+            lst.extend(refs[0::2])
+    records: dict[bytes, dict[str, bytes | None]] = {}
+    if wanted:
+        pipe = redis.pipeline(transaction=False)
+        order = list(wanted)
+        for rk in order:
+            pipe.hmget(rk, wanted[rk])
+        for rk, vals in zip(order, await pipe.execute(), strict=True):
+            rids = wanted[rk]
+            records[rk] = {
+                (r.decode() if isinstance(r, bytes) else r): v
+                for r, v in zip(rids, vals, strict=True)
+            }
+    sub_json = orjson.dumps(sub_id)
+    lines: list[bytes] = []
+    last = pos
+    for eid, key, refs, fields in parsed:
+        if b"k" in fields:  # kNN: the new ordered neighbour list
+            idx = 0
+            if (key[0], key[1]) == (pos[0], pos[1]) and idx <= pos[2]:
+                continue
+            cur = orjson.dumps(format_cursor(eid, idx))
+            lines.append(b'{"type":"knn","subscription":' + sub_json + b',"cursor":' + cur
+                         + b',"neighbors":' + fields[b"k"] + b"}")
+            last = (key[0], key[1], idx)
+            continue
+        rk = R.records_key(tenant, int(fields[b"b"])).encode()
+        recs = records.get(rk, {})
+        for j in range(0, len(refs), 2):
+            idx = j // 2
+            if (key[0], key[1]) == (pos[0], pos[1]) and idx <= pos[2]:
+                continue
+            last = (key[0], key[1], idx)
+            rid = refs[j]
+            rec = recs.get(rid)
+            if rec is None:
+                continue  # the record outlived its retention
+            cur = orjson.dumps(format_cursor(eid, idx))
+            lines.append(b'{"type":"match","subscription":' + sub_json + b',"cursor":' + cur
+                         + b',"detect":"' + DETECT_NAMES[refs[j + 1]].encode()
+                         + b'","object":' + rec + b"}")
+        if (key[0], key[1]) > (last[0], last[1]):
+            last = (key[0], key[1], max(0, len(refs) // 2 - 1))
+    return HistoryBatch(lines=lines, position=last, full=len(entries) >= count)
+
+
+async def history_gap(redis: aioredis.Redis, sub_id: str, pos: Position,
+                      max_age_s: float, now: float) -> bool:
+    """True when entries after `pos` may have been trimmed before the client read them."""
+    first = await redis.xrange(R.history_key(sub_id), count=1)
+    if first:
+        fkey = parse_entry_id(first[0][0].decode())
+        return fkey > (pos[0], pos[1])
+    return pos[0] < (now - max_age_s) * 1000
+
+
+# --- connections --------------------------------------------------------------------------
+
+class ConnectionClosed(Exception):
+    def __init__(self, code: int, reason: str) -> None:
+        super().__init__(reason)
+        self.code = code
+        self.reason = reason
+
+
+@dataclass(eq=False)
+class Connection:
+    transport: Transport
+    principal: Principal
+    positions: dict[str, Position] = field(default_factory=dict)
+    listen_all_from: Position | None = None
+    dirty: set[str] = field(default_factory=set)
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    outbox: list[bytes] = field(default_factory=list)
+    closed: tuple[int, str] | None = None
+
+    def mark(self, subs: Iterable[str]) -> None:
+        self.dirty.update(subs)
+        self.wake.set()
+
+    def close_soon(self, code: int, reason: str) -> None:
+        if self.closed is None:
+            self.closed = (code, reason)
+        self.wake.set()
+
+
+class Hub:
+    def __init__(self, state: AppState) -> None:
+        self.state = state
+        self.settings = state.settings
+        self.redis = state.redis
+        self.conns: set[Connection] = set()
+        self.by_sub: dict[str, set[Connection]] = {}
+        self.all_by_tenant: dict[str, set[Connection]] = {}
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._listen_notifications(), name="hub-notify")
+
+    async def stop(self) -> None:
+        for conn in list(self.conns):
+            conn.close_soon(1001, "server shutting down")
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+
+    async def _listen_notifications(self) -> None:
+        while True:
+            try:
+                pubsub = self.redis.pubsub()
+                await pubsub.subscribe(R.NOTIFY_CHANNEL, R.REVOKED_CHANNEL, R.SUBS_CHANNEL)
+                # A reconnect may have missed notifications: wake everyone once.
+                for conn in self.conns:
+                    conn.mark(conn.positions)
+                async for msg in pubsub.listen():
+                    if msg.get("type") != "message":
+                        continue
+                    self._dispatch(msg["channel"], orjson.loads(msg["data"]))
+            except asyncio.CancelledError:
+                raise
+            except (redis.exceptions.RedisError, OSError) as exc:
+                log.warning("hub: notification channel lost (%s); reconnecting", exc)
+                await asyncio.sleep(0.5)
+
+    def _dispatch(self, channel: bytes, data: dict[str, Any]) -> None:
+        ch = channel.decode()
+        if ch == R.NOTIFY_CHANNEL:
+            subs = data["s"]
+            for sub in subs:
+                for conn in self.by_sub.get(sub, ()):
+                    conn.mark((sub,))
+            for conn in self.all_by_tenant.get(data["tn"], ()):
+                conn.mark(subs)
+        elif ch == R.REVOKED_CHANNEL:
+            for conn in list(self.conns):
+                if conn.principal.key_id == data["key"]:
+                    conn.close_soon(1008, "API key revoked")
+        elif ch == R.SUBS_CHANNEL:
+            for sub in data.get("deleted", []):
+                for conn in list(self.by_sub.get(sub, ())):
+                    self.unlisten(conn, [sub])
+            for sub in data.get("expired", []):
+                for conn in list(self.by_sub.get(sub, ())):
+                    conn.outbox.append(orjson.dumps({"type": "expired", "subscription": sub}))
+                    self.unlisten(conn, [sub])
+                    conn.wake.set()
+
+    async def key_revoked(self, key_id: str) -> None:
+        await self.redis.publish(R.REVOKED_CHANNEL, orjson.dumps({"key": key_id}))
+
+    # --- listening ----------------------------------------------------------------------
+    def register(self, conn: Connection) -> None:
+        self.conns.add(conn)
+
+    def unregister(self, conn: Connection) -> None:
+        self.conns.discard(conn)
+        self.unlisten(conn, list(conn.positions))
+        if conn.listen_all_from is not None:
+            self.all_by_tenant.get(conn.principal.tenant, set()).discard(conn)
+
+    def listen(self, conn: Connection, positions: dict[str, Position]) -> None:
+        for sub, pos in positions.items():
+            conn.positions[sub] = pos
+            self.by_sub.setdefault(sub, set()).add(conn)
+        conn.mark(positions)
+
+    def listen_all(self, conn: Connection, start: Position) -> None:
+        if conn.listen_all_from is None:
+            conn.listen_all_from = start
+            self.all_by_tenant.setdefault(conn.principal.tenant, set()).add(conn)
+
+    def unlisten(self, conn: Connection, subs: Iterable[str]) -> None:
+        for sub in subs:
+            conn.positions.pop(sub, None)
+            conn.dirty.discard(sub)
+            listeners = self.by_sub.get(sub)
+            if listeners is not None:
+                listeners.discard(conn)
+                if not listeners:
+                    del self.by_sub[sub]
+
+    async def server_ms(self) -> int:
+        sec, usec = await self.redis.time()
+        return int(sec) * 1000 + int(usec) // 1000
+
+    # --- the pump -----------------------------------------------------------------------
+    async def pump(self, conn: Connection) -> None:
+        """Send this connection's pending history, frames of many messages, until closed."""
+        s = self.settings
+        poll = 5.0
+        while conn.closed is None:
+            try:
+                await asyncio.wait_for(conn.wake.wait(), timeout=poll)
+            except TimeoutError:
+                conn.dirty.update(conn.positions)  # a missed notification costs ≤ poll
+            conn.wake.clear()
+            if conn.closed is not None:
+                break
+            if conn.outbox:
+                lines, conn.outbox = conn.outbox, []
+                await self._send(conn, lines)
+            subs = list(conn.dirty)
+            conn.dirty.clear()
+            if conn.listen_all_from is not None:
+                for sub in subs:
+                    if sub not in conn.positions:
+                        self.listen(conn, {sub: conn.listen_all_from})
+            await self.deliver(conn, subs, s.ws_queue_max)
+
+    async def deliver(self, conn: Connection, subs: list[str], budget: int) -> None:
+        tenant = conn.principal.tenant
+        for sub in subs:
+            pos = conn.positions.get(sub)
+            if pos is None:
+                continue
+            batch = await read_history(self.redis, sub, pos, min(256, budget), tenant)
+            if sub not in conn.positions:
+                continue  # unlistened meanwhile
+            if batch.lines:
+                await self._send(conn, batch.lines)
+            conn.positions[sub] = batch.position
+            if batch.full:
+                conn.mark((sub,))
+
+    async def _send(self, conn: Connection, lines: list[bytes]) -> None:
+        chunk = 200
+        for i in range(0, len(lines), chunk):
+            frame = b"\n".join(lines[i:i + chunk]).decode()
+            try:
+                await asyncio.wait_for(conn.transport.send(frame), timeout=10.0)
+            except TimeoutError:
+                conn.close_soon(1013, "client cannot keep up; resume with the last cursor")
+                raise ConnectionClosed(1013, "send timed out") from None

@@ -1,0 +1,213 @@
+"""SWARM's routing layer in every api process (SWARM §4.1): the global index, the plan kept in
+Redis by version, and the routing of objects and subscription changes to worker streams."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+import msgpack
+import numpy as np
+import orjson
+import redis.asyncio as aioredis
+
+from app.core.config import Settings
+from app.geo.grid import Grid
+from app.geo.index import GlobalIndex, Plan, initial_plan
+from app.models import Subscription
+from app.pipeline import records as R
+
+log = logging.getLogger(__name__)
+
+# Last-writer-wins by ts for moving objects (CheetahGIS's Transformer). ARGV holds triples
+# (id, ts, packed record); the reply holds, per record, 1 if it is now the latest and the
+# previously stored packed record (or false).
+LWW_SCRIPT = """
+local out = {}
+for i = 1, #ARGV, 3 do
+  local id, ts, packed = ARGV[i], tonumber(ARGV[i + 1]), ARGV[i + 2]
+  local old = redis.call('HGET', KEYS[1], id)
+  if not old then
+    redis.call('HSET', KEYS[1], id, packed)
+    out[#out + 1] = 1
+    out[#out + 1] = false
+  else
+    local o = cmsgpack.unpack(old)
+    if ts >= o[1] then
+      redis.call('HSET', KEYS[1], id, packed)
+      out[#out + 1] = 1
+    else
+      out[#out + 1] = 0
+    end
+    out[#out + 1] = old
+  end
+end
+return out
+"""
+
+
+def subscription_message(row: Subscription) -> dict[str, Any]:
+    return {"id": row.id, "tenant": row.tenant, "spec": row.spec, "expires_at": row.expires_at}
+
+
+def grid_of(settings: Settings) -> Grid:
+    return Grid(bounds=settings.bounds, nx=settings.grid[0], ny=settings.grid[1])
+
+
+async def load_plan(redis: aioredis.Redis) -> Plan | None:
+    raw = await redis.get(R.PLAN_KEY)
+    return None if raw is None else Plan.from_json(raw.decode())
+
+
+def targets_for_spec(index: GlobalIndex, spec: dict[str, Any]) -> set[str]:
+    """Workers that must hold a subscription: those whose partitions its region overlaps;
+    every worker for subscriptions without a region (keyword) and for kNN."""
+    if spec["type"] == "range":
+        if "bbox" in spec:
+            return index.workers_for_bbox(tuple(spec["bbox"]))
+        c = spec["circle"]
+        return {index.plan.partitions[p].worker
+                for p in index.partitions_for_circle(c["lon"], c["lat"], c["radius_m"])}
+    return set(index.workers)
+
+
+class Router:
+    def __init__(self, settings: Settings, redis: aioredis.Redis) -> None:
+        self.settings = settings
+        self.redis = redis
+        self.index: GlobalIndex | None = None
+        self._lww = redis.register_script(LWW_SCRIPT)
+        self._plan_checked = 0.0
+        self._lock = asyncio.Lock()
+
+    # --- the plan ------------------------------------------------------------------------
+    async def current_index(self) -> GlobalIndex:
+        now = time.monotonic()
+        if self.index is None or now - self._plan_checked > 1.0:
+            await self.refresh()
+        if self.index is None:
+            raise RuntimeError("no partition plan")
+        return self.index
+
+    async def refresh(self) -> None:
+        async with self._lock:
+            plan = await load_plan(self.redis)
+            self._plan_checked = time.monotonic()
+            if plan is None:
+                return
+            if self.index is None or plan.version != self.index.plan.version:
+                self.index = GlobalIndex(plan)
+                log.info("router loaded plan version %d (%d partitions)", plan.version,
+                         len(plan.partitions))
+
+    async def live_workers(self, now: float) -> list[str]:
+        raw = await self.redis.hgetall(R.WORKERS_KEY)
+        live = []
+        for wid, info in raw.items():
+            beat = orjson.loads(info).get("heartbeat", 0)
+            if now - beat <= self.settings.worker_dead_after_s:
+                live.append(wid.decode())
+        return sorted(live)
+
+    # --- objects -------------------------------------------------------------------------
+    async def publish(self, batch: R.RecordBatch) -> None:
+        index = await self.current_index()
+        n = batch.size
+        rids = R.new_record_ids(n)
+        prev: list[tuple[float, float] | None] = [None] * n
+        late = [False] * n
+        moving_rows = [i for i in range(n) if batch.moving[i]]
+        if moving_rows:
+            args: list[Any] = []
+            for i in moving_rows:
+                packed = msgpack.packb([batch.ts[i], batch.lon[i], batch.lat[i],
+                                        batch.keywords[i], batch.props[i]], use_bin_type=True)
+                args += [batch.ids[i], repr(batch.ts[i]), packed]
+            reply = await self._lww(keys=[R.positions_key(batch.tenant)], args=args)
+            for j, i in enumerate(moving_rows):
+                is_latest, old = reply[2 * j], reply[2 * j + 1]
+                if old:
+                    o = msgpack.unpackb(old)
+                    prev[i] = (o[1], o[2])
+                late[i] = not is_latest
+        lon = np.asarray(batch.lon, dtype=np.float64)
+        lat = np.asarray(batch.lat, dtype=np.float64)
+        part = index.partition_of_points(lon, lat)
+        owner = index.part_worker[part]
+        rows_by_worker: dict[int, list[int]] = {}
+        exit_only = [False] * n
+        decide_exit = [False] * n
+        extra: list[tuple[int, int]] = []  # (worker, row) exit-only copies
+        for w in np.unique(owner):
+            rows_by_worker[int(w)] = np.flatnonzero(owner == w).tolist()
+        if moving_rows:
+            # A record whose object left another partition also goes to the owner of the
+            # previous position, which alone decides `exit` (DESIGN: detect).
+            pl = [i for i in moving_rows if prev[i] is not None and not late[i]]
+            if pl:
+                p_prev = index.partition_of_points(
+                    np.asarray([prev[i][0] for i in pl]),  # type: ignore[index]
+                    np.asarray([prev[i][1] for i in pl]))  # type: ignore[index]
+                for i, pp in zip(pl, p_prev.tolist(), strict=True):
+                    if pp != part[i]:
+                        extra.append((int(index.part_worker[pp]), i))
+                    else:
+                        decide_exit[i] = True
+        sent_at = time.time()
+        pipe = self.redis.pipeline(transaction=True)
+        for w, rows in rows_by_worker.items():
+            pipe.xadd(R.worker_stream(index.workers[w]), {b"m": R.encode_objects(
+                batch, rows, rids, prev, late, exit_only, decide_exit, sent_at)})
+        if extra:
+            by_w: dict[int, list[int]] = {}
+            for w, i in extra:
+                by_w.setdefault(w, []).append(i)
+            xo_true = [True] * n
+            for w, rows in by_w.items():
+                pipe.xadd(R.worker_stream(index.workers[w]), {b"m": R.encode_objects(
+                    batch, rows, rids, prev, late, xo_true, xo_true, sent_at)})
+        await pipe.execute()
+
+    async def latest(self, tenant: str, object_id: str) -> dict[str, Any] | None:
+        raw = await self.redis.hget(R.positions_key(tenant), object_id)
+        if raw is None:
+            return None
+        ts, lon, lat, kws, props = msgpack.unpackb(raw)
+        return {"id": object_id, "lon": lon, "lat": lat, "ts": ts, "keywords": kws,
+                "props": props}
+
+    # --- subscriptions -------------------------------------------------------------------
+    async def add_subscriptions(self, rows: list[Subscription]) -> None:
+        index = await self.current_index()
+        per_worker: dict[str, list[dict[str, Any]]] = {}
+        for row in rows:
+            for w in targets_for_spec(index, row.spec):
+                per_worker.setdefault(w, []).append(subscription_message(row))
+        pipe = self.redis.pipeline(transaction=True)
+        for w, subs in per_worker.items():
+            pipe.xadd(R.worker_stream(w), {b"m": R.encode_subs_added(subs)})
+        await pipe.execute()
+
+    async def remove_subscriptions(self, rows: list[Subscription],
+                                   reason: str = "deleted") -> None:
+        index = await self.current_index()
+        msg = R.encode_subs_removed([r.id for r in rows])
+        pipe = self.redis.pipeline(transaction=True)
+        for w in index.workers:
+            pipe.xadd(R.worker_stream(w), {b"m": msg})
+        await pipe.execute()
+        await self.redis.publish(R.SUBS_CHANNEL, orjson.dumps({reason: [r.id for r in rows]}))
+
+
+async def ensure_plan(redis: aioredis.Redis, settings: Settings, workers: list[str]) -> Plan:
+    """Create the initial plan (SWARM §4.1.1) unless one for the same worker set exists."""
+    plan = await load_plan(redis)
+    if plan is not None and sorted({p.worker for p in plan.partitions}) == sorted(workers):
+        return plan
+    version = 1 if plan is None else plan.version + 1
+    plan = initial_plan(grid_of(settings), workers, version=version)
+    await redis.set(R.PLAN_KEY, plan.to_json())
+    await redis.publish(R.PLAN_CHANNEL, str(plan.version))
+    return plan
