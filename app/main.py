@@ -11,9 +11,9 @@ from typing import Any
 
 import redis.exceptions
 from fastapi import FastAPI, Request
+from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from fastapi.encoders import jsonable_encoder
 from prometheus_client import Counter
 from sqlalchemy.exc import DBAPIError, OperationalError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send

@@ -24,12 +24,13 @@ def run(
     batch: int = 5_000,
     seed: int = 1,
     bf_objects: int = 1_000,
+    zipf_keywords: bool = False,
 ) -> dict[str, Any]:
     """Build the index over n_subs subscriptions, match n_objects in batches, compare."""
     rng = np.random.default_rng(seed)
     cities(), words()  # load the tables outside any timing
     t0 = time.perf_counter()
-    subs = to_subs(make_subscriptions(n_subs, rng))
+    subs = to_subs(make_subscriptions(n_subs, rng, zipf_keywords=zipf_keywords))
     objs = make_objects(n_objects, rng)
     gen_s = time.perf_counter() - t0
     lon, lat, kws = objs["lon"], objs["lat"], objs["keywords"]
@@ -64,6 +65,7 @@ def run(
     return {
         "n_subs": n_subs,
         "n_objects": n_objects,
+        "workload": "zipf" if zipf_keywords else "topical",
         "batch": batch,
         "generate_s": gen_s,
         "build_s": build_s,
@@ -88,12 +90,18 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--batch", type=int, default=5_000)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--bf-objects", type=int, default=1_000)
+    ap.add_argument(
+        "--zipf", action="store_true", help="also run with Zipf-weighted subscription keywords"
+    )
     args = ap.parse_args(argv)
     results = [
-        run(n, args.objects, args.batch, args.seed, args.bf_objects) for n in args.subs
+        run(n, args.objects, args.batch, args.seed, args.bf_objects, zipf)
+        for zipf in ([False, True] if args.zipf else [False])
+        for n in args.subs
     ]
     rows = [
         ("subscriptions", "n_subs", "{:,.0f}"),
+        ("sub keywords", "workload", "{}"),
         ("objects matched", "n_objects", "{:,.0f}"),
         ("build (s)", "build_s", "{:.2f}"),
         ("index: objects/s", "index_objects_per_s", "{:,.0f}"),

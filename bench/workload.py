@@ -81,10 +81,13 @@ def _jitter(
     return lon2, lat2
 
 
-def _keyword_lists(rng: np.random.Generator, n: int, lo: int, hi: int) -> list[list[str]]:
+def _keyword_lists(
+    rng: np.random.Generator, n: int, lo: int, hi: int, zipf: bool = True
+) -> list[list[str]]:
     wt = words()
     counts = rng.integers(lo, hi + 1, n)
-    draws = rng.choice(len(wt.words), size=int(counts.sum()), p=wt.weight)
+    p = wt.weight if zipf else None
+    draws = rng.choice(len(wt.words), size=int(counts.sum()), p=p)
     ws = wt.words
     out: list[list[str]] = []
     pos = 0
@@ -127,6 +130,7 @@ def make_subscriptions(
     all_fraction: float = 0.3,
     side_fraction: float = 0.0016,
     jitter_km: float = 25.0,
+    zipf_keywords: bool = False,
 ) -> list[dict[str, Any]]:
     """n API-shaped subscription dicts (`{"type": "range", "bbox": [...], ...}`).
 
@@ -134,6 +138,9 @@ def make_subscriptions(
     (bbox, or a circle with the same area for `circle_fraction`) centred near a city picked
     by population, with 1-3 keywords for `keyword_fraction` of them; `all_fraction` of the
     keyword lists use match "all" (CONTAINS), the others "any" (OVERLAPS).
+    Subscription keywords are topical: uniform over the vocabulary by default (people
+    subscribe to "earthquake", not to the words every post contains); `zipf_keywords=True`
+    draws them by real frequency like object keywords, a much heavier workload.
     """
     c = cities()
     kinds = rng.random(n)
@@ -141,7 +148,7 @@ def make_subscriptions(
     clon, clat = _jitter(rng, c.lon[pick], c.lat[pick], jitter_km)
     half_w = 360.0 * side_fraction / 2
     half_h = 180.0 * side_fraction / 2
-    kwl = _keyword_lists(rng, n, 1, 3)
+    kwl = _keyword_lists(rng, n, 1, 3, zipf=zipf_keywords)
     has_kw = rng.random(n) < keyword_fraction
     match_all = rng.random(n) < all_fraction
     circle = rng.random(n) < circle_fraction
@@ -157,7 +164,8 @@ def make_subscriptions(
             # A circle of the bbox's area: r = sqrt(w * h / pi), with w, h in metres here.
             w_m = 2 * half_w * KM_PER_DEG_LAT * 1000 * max(np.cos(np.radians(y)), 0.01)
             h_m = 2 * half_h * KM_PER_DEG_LAT * 1000
-            d["circle"] = {"lon": x, "lat": y, "radius_m": max(float(np.sqrt(w_m * h_m / np.pi)), 1.0)}
+            r = max(float(np.sqrt(w_m * h_m / np.pi)), 1.0)
+            d["circle"] = {"lon": x, "lat": y, "radius_m": r}
         else:
             d["bbox"] = [
                 max(x - half_w, -180.0),

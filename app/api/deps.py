@@ -19,8 +19,8 @@ from app.core.security import Principal, bootstrap_principal
 from app.services import keys as key_service
 
 if TYPE_CHECKING:
-    from app.pipeline.router import Router
     from app.pipeline.hub import Hub
+    from app.pipeline.router import Router
 
 
 @dataclass

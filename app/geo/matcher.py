@@ -15,7 +15,7 @@ from typing import Any, Literal
 import numpy as np
 import numpy.typing as npt
 
-from app.geo.geometry import BBox, bbox_contains, circle_bbox, haversine_m
+from app.geo.geometry import EARTH_RADIUS_M, BBox, bbox_contains, circle_bbox, haversine_m
 from app.geo.grid import Grid
 
 I64 = npt.NDArray[np.int64]
@@ -238,6 +238,33 @@ def _empty_pairs() -> tuple[I64, I32]:
     return np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int32)
 
 
+class _Batch:
+    """Per-batch object columns, derived lazily (only circle verification needs radians)."""
+
+    def __init__(self, lon: F64, lat: F64) -> None:
+        self.lon = lon
+        self.lat = lat
+        self._rad: tuple[F64, F64, F64] | None = None
+
+    def _radians(self) -> tuple[F64, F64, F64]:
+        if self._rad is None:
+            lat_rad = np.radians(self.lat)
+            self._rad = (np.radians(self.lon), lat_rad, np.cos(lat_rad))
+        return self._rad
+
+    @property
+    def lon_rad(self) -> F64:
+        return self._radians()[0]
+
+    @property
+    def lat_rad(self) -> F64:
+        return self._radians()[1]
+
+    @property
+    def cos_lat(self) -> F64:
+        return self._radians()[2]
+
+
 class SubscriptionIndex:
     """Spatio-textual index of subscriptions for one executor partition (Tornado §3.2).
 
@@ -252,6 +279,8 @@ class SubscriptionIndex:
     s_clon: F64
     s_clat: F64
     s_rad: F64
+    s_ccos: F64  # cos(circle centre latitude)
+    s_h: F64  # haversine of the angular radius: sin^2(r / 2R)
     s_need: I32
     s_alive: Bool
     s_kwstart: I64
@@ -269,6 +298,8 @@ class SubscriptionIndex:
         ("s_clon", np.float64),
         ("s_clat", np.float64),
         ("s_rad", np.float64),
+        ("s_ccos", np.float64),
+        ("s_h", np.float64),
         ("s_need", np.int32),
         ("s_alive", np.bool_),
         ("s_kwstart", np.int64),
@@ -359,6 +390,8 @@ class SubscriptionIndex:
         self.s_circle[s] = sub.kind == "circle"
         if sub.circle is not None and sub.kind == "circle":
             self.s_clon[s], self.s_clat[s], self.s_rad[s] = sub.circle
+            self.s_ccos[s] = math.cos(math.radians(sub.circle[1]))
+            self.s_h[s] = math.sin(sub.circle[2] / (2 * EARTH_RADIUS_M)) ** 2
         self.s_bucket[s] = 2 * level + (1 if kws else 0)
         self.s_x0[s], self.s_y0[s], self.s_x1[s], self.s_y1[s] = x0, y0, x1, y1
         if sub.key >= self._key_to_slot.size:
@@ -458,6 +491,7 @@ class SubscriptionIndex:
             self._delta = self._build(np.arange(self._main_slots, self._n, dtype=np.int64))
         kobj, kw = self._object_keywords(keywords) if any(self._bucket_live[1::2]) else (
             np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64))
+        batch = _Batch(lon, lat)
         cells: dict[int, I64] = {}
         parts_o: list[I64] = []
         parts_s: list[I32] = []
@@ -483,7 +517,7 @@ class SubscriptionIndex:
                 if o2.size:
                     o, s = np.concatenate((o, o2)), np.concatenate((s, s2))
             if level != _KEYWORD_LEVEL and o.size:
-                o, s = self._verify(lon, lat, o, s)
+                o, s = self._verify(batch, o, s)
             parts_o.append(o)
             parts_s.append(s)
         if not parts_o:
@@ -594,19 +628,41 @@ class SubscriptionIndex:
         keys = (cell[rep2] << 32) | kw.astype(np.int64)
         return keys, slots[srep].astype(np.int32)
 
-    def _verify(self, lon: F64, lat: F64, objs: I64, slots: I32) -> tuple[I64, I32]:
+    def _verify(self, batch: _Batch, objs: I64, slots: I32) -> tuple[I64, I32]:
         """Keep candidate pairs whose object lies in the sub's bbox / circle."""
-        x = lon[objs]
-        y = lat[objs]
+        x = batch.lon.take(objs)
+        y = batch.lat.take(objs)
         b = np.take(self.s_bbox, slots, axis=0)  # one row gather beats four column gathers
-        ok = (b[:, 0] <= x) & (b[:, 2] >= x) & (b[:, 1] <= y) & (b[:, 3] >= y)
-        objs, slots, x, y = objs[ok], slots[ok], x[ok], y[ok]
-        circ = self.s_circle[slots]
-        if circ.any():
-            ci = np.flatnonzero(circ)
-            cs = slots[ci]
-            d = haversine_m(self.s_clon[cs], self.s_clat[cs], x[ci], y[ci])
-            ok2 = np.ones(objs.size, dtype=np.bool_)
-            ok2[ci] = d <= self.s_rad[cs]
-            objs, slots = objs[ok2], slots[ok2]
+        i = np.flatnonzero((b[:, 0] <= x) & (b[:, 2] >= x) & (b[:, 1] <= y) & (b[:, 3] >= y))
+        objs, slots = objs.take(i), slots.take(i)
+        ci = np.flatnonzero(self.s_circle.take(slots))
+        if ci.size:
+            out = ci[~self._in_circles(batch, objs.take(ci), slots.take(ci))]
+            if out.size:
+                keep = np.ones(objs.size, dtype=np.bool_)
+                keep[out] = False
+                objs, slots = objs[keep], slots[keep]
         return objs, slots
+
+    def _in_circles(self, batch: _Batch, objs: I64, slots: I32) -> Bool:
+        """haversine_m(centre, object) <= radius, decided exactly as the oracle decides it.
+
+        Compares the haversine term a with sin^2(r/2R) (no arcsin/sqrt, object cosines
+        computed once per batch); pairs within a 1e-6 relative band of the radius, where
+        rounding could disagree with haversine_m, are re-checked with haversine_m itself.
+        """
+        phi1 = np.radians(self.s_clat.take(slots))
+        dphi = batch.lat_rad.take(objs) - phi1
+        dlmb = batch.lon_rad.take(objs) - np.radians(self.s_clon.take(slots))
+        a = np.sin(dphi * 0.5) ** 2
+        a += self.s_ccos.take(slots) * batch.cos_lat.take(objs) * np.sin(dlmb * 0.5) ** 2
+        h = self.s_h.take(slots)
+        inside = a < h * (1 - 1e-6)
+        unsure = ~inside & (a <= h * (1 + 1e-6) + 1e-24)
+        if unsure.any():
+            u = np.flatnonzero(unsure)
+            su, ou = slots.take(u), objs.take(u)
+            d = haversine_m(self.s_clon.take(su), self.s_clat.take(su),
+                            batch.lon.take(ou), batch.lat.take(ou))
+            inside[u] = d <= self.s_rad.take(su)
+        return inside

@@ -18,8 +18,8 @@ from starlette.websockets import WebSocketState
 from app.api.deps import StateDep, TenantDep, websocket_principal
 from app.core.errors import ApiError, NotFound
 from app.pipeline.hub import (
-    ConnectionClosed,
     Connection,
+    ConnectionClosed,
     Hub,
     Position,
     history_gap,
