@@ -1,0 +1,93 @@
+"""A WebSocket client that collects messages (frames split on newlines), resumable by cursor."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any
+
+import httpx
+import orjson
+import websockets
+
+
+class Listener:
+    def __init__(self, ws_url: str, key: str) -> None:
+        self.url = f"{ws_url}/v1/stream?token={key}"
+        self.messages: list[dict[str, Any]] = []
+        self.cursors: dict[str, str] = {}
+        self.ws: Any = None
+        self._task: asyncio.Task[None] | None = None
+        self.closed_code: int | None = None
+        self._acks: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+
+    async def connect(self) -> None:
+        self.ws = await websockets.connect(self.url, max_size=None)
+        self._task = asyncio.create_task(self._read())
+
+    async def _read(self) -> None:
+        try:
+            async for frame in self.ws:
+                for line in frame.split("\n"):
+                    msg = orjson.loads(line)
+                    if msg["type"] in ("listening", "error"):
+                        await self._acks.put(msg)
+                        if msg["type"] == "listening":
+                            continue
+                    self.messages.append(msg)
+                    if "cursor" in msg:
+                        self.cursors[msg["subscription"]] = msg["cursor"]
+        except websockets.ConnectionClosed as exc:
+            self.closed_code = exc.rcvd.code if exc.rcvd else None
+
+    async def listen(self, subs: list[str] | None = None, all: bool = False,
+                     since: dict[str, str] | None = None) -> dict[str, Any]:
+        msg: dict[str, Any] = {"op": "listen"}
+        if subs:
+            msg["subscriptions"] = subs
+        if all:
+            msg["all"] = True
+        if since:
+            msg["since"] = since
+        await self.ws.send(orjson.dumps(msg).decode())
+        while True:
+            ack = await asyncio.wait_for(self._acks.get(), 10)
+            if ack["type"] == "listening":
+                return ack
+
+    async def close(self) -> None:
+        if self.ws is not None:
+            await self.ws.close()
+        if self._task is not None:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+
+    def matches(self) -> list[dict[str, Any]]:
+        return [m for m in self.messages if m["type"] == "match"]
+
+
+async def wait_for(predicate: Any, timeout: float = 30.0, interval: float = 0.05) -> bool:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while loop.time() < deadline:
+        if predicate():
+            return True
+        await asyncio.sleep(interval)
+    return bool(predicate())
+
+
+async def replay_all(client: httpx.AsyncClient, sub: str, headers: dict[str, str]
+                     ) -> list[dict[str, Any]]:
+    items: list[dict[str, Any]] = []
+    since: str | None = None
+    while True:
+        params: dict[str, Any] = {"limit": 500}
+        if since:
+            params["since"] = since
+        r = await client.get(f"/v1/subscriptions/{sub}/matches", params=params, headers=headers)
+        r.raise_for_status()
+        body = r.json()
+        if not body["items"]:
+            return items
+        items.extend(body["items"])
+        since = body["next_cursor"]
