@@ -1,0 +1,63 @@
+"""`geoswarm dev` as a user runs it: start, wait for /readyz, create a key with the CLI, use the
+API, stop with SIGTERM, and no child process survives."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+from app.core.redis import free_port
+from tests.conftest import ROOT, auth
+
+pytestmark = pytest.mark.slow
+
+
+def test_geoswarm_dev_end_to_end(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GEOSWARM_")}
+    env["GEOSWARM_DATA_DIR"] = str(tmp_path / "data")
+    port = free_port()
+    dev = subprocess.Popen([sys.executable, "-m", "app.cli", "dev", "--port", str(port),
+                            "--workers", "2"], env=env, cwd=ROOT, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            try:
+                if httpx.get(base + "/readyz", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert dev.poll() is None, dev.stdout.read() if dev.stdout else ""
+            assert time.monotonic() < deadline, "geoswarm dev did not become ready"
+            time.sleep(0.2)
+        key = subprocess.run([sys.executable, "-m", "app.cli", "keys", "create", "--tenant",
+                              "acme"], env=env, cwd=ROOT, capture_output=True, text=True,
+                             check=True).stdout.strip().splitlines()[-1]
+        specs = [{"type": "range", "bbox": [-74.02, 40.70, -73.93, 40.80]},
+                 {"type": "keyword", "keywords": ["earthquake", "tokyo"], "match": "all"}]
+        for spec in specs:
+            r = httpx.post(base + "/v1/subscriptions", json=spec, headers=auth(key))
+            assert r.status_code == 201, r.text
+        listed = httpx.get(base + "/v1/subscriptions", headers=auth(key)).json()
+        assert [s["type"] for s in listed["items"]] == ["range", "keyword"]
+        admin_key = (tmp_path / "data" / "admin.key").read_text().strip()
+        cluster = httpx.get(base + "/v1/admin/cluster", headers=auth(admin_key)).json()
+        assert sorted(w["id"] for w in cluster["workers"] if w["alive"]) == ["w0", "w1"]
+        children = psutil.Process(dev.pid).children(recursive=True)
+        assert len(children) >= 4  # redis-server, api, two workers
+    finally:
+        dev.send_signal(signal.SIGTERM)
+        out, _ = dev.communicate(timeout=60)
+    assert dev.returncode == 0, out
+    assert "admin key:" in out and f"{base}/docs" in out
+    gone, alive = psutil.wait_procs(children, timeout=10)
+    assert not alive, f"orphans: {alive}"
