@@ -26,6 +26,7 @@ from app.geo.matcher import Sub, SubscriptionIndex
 from app.pipeline import records as R
 from app.pipeline.router import targets_for_spec
 from app.services.subscriptions import all_live
+from workers.knn import MERGE_SCRIPT, KnnState, KnnSub, knn_sub
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +89,8 @@ class Executor:
         self.last_trim = 0.0
         self.touched: set[str] = set()
         self.started = time.time()
+        self.knn: dict[str, KnnState] = {}
+        self._merge = self.redis.register_script(MERGE_SCRIPT)
 
     # --- lifecycle -----------------------------------------------------------------------
     def run(self) -> None:
@@ -95,6 +98,7 @@ class Executor:
         signal.signal(signal.SIGINT, self._on_signal)
         self._ensure_group()
         self._load_plan()
+        self._rebuild_positions()
         self._rebuild_subscriptions()
         self._heartbeat()
         beat = threading.Thread(target=self._heartbeat_loop, daemon=True)
@@ -145,6 +149,42 @@ class Executor:
         mine = [m for m in msgs if self.id in targets_for_spec(self.index, m["spec"])]
         self.handle_subs_added(mine)
         log.info("worker %s rebuilt %d subscriptions from SQL", self.id, len(mine))
+
+    def _rebuild_positions(self) -> None:
+        """Moving objects whose latest position lies in this worker's partitions (kNN state);
+        events of the window are not rebuilt after a crash."""
+        assert self.index is not None
+        me = self.index.workers.index(self.id) if self.id in self.index.workers else -1
+        for key in self.redis.scan_iter(match="gs:pos:*", count=1000):
+            tenant = key.decode()[len("gs:pos:"):]
+            ids, lons, lats, rest = [], [], [], []
+            for oid, raw in self.redis.hscan_iter(key, count=1000):
+                ts, lon, lat, kws, _props = R.unpack(raw) if isinstance(raw, bytes) else raw
+                ids.append(oid.decode())
+                lons.append(lon)
+                lats.append(lat)
+                rest.append((ts, kws))
+            if not ids:
+                continue
+            owner = self.index.worker_of_points(np.asarray(lons), np.asarray(lats))
+            state = self._knn_state(tenant)
+            for i in np.flatnonzero(owner == me).tolist():
+                state.objects.upsert_moving(ids[i], lons[i], lats[i], frozenset(rest[i][1]),
+                                            rest[i][0])
+
+    def _knn_state(self, tenant: str) -> KnnState:
+        state = self.knn.get(tenant)
+        if state is None:
+            state = self.knn[tenant] = KnnState(self.settings.window_s, self.settings.bucket_s)
+        return state
+
+    def _merge_knn(self, tenant: str, subs: list[KnnSub], pipe: Any) -> None:
+        for sub in subs:
+            local = orjson.dumps([list(n) for n in sub.local])
+            self._merge(keys=[f"gs:knn:{sub.id}", R.history_key(sub.id)],
+                        args=[self.id, local, sub.k, self.settings.history_max_len,
+                              int(self.settings.history_max_age_s) + 60, tenant],
+                        client=pipe)
 
     def _heartbeat(self) -> None:
         info = {
@@ -232,7 +272,10 @@ class Executor:
                 self._match_group(group, pipe, notify)
                 group = []
             if kind == "sub+":
-                self.handle_subs_added(msg["subs"])
+                self.handle_subs_added(msg["subs"], pipe)
+                for m in msg["subs"]:
+                    if m["spec"]["type"] == "knn":
+                        notify.setdefault(m["tenant"], set()).add(m["id"])
             elif kind == "sub-":
                 self.handle_subs_removed(msg["ids"])
         if group:
@@ -287,11 +330,15 @@ class Executor:
             log.warning("worker %s: trim failed: %s", self.id, exc)
 
     # --- subscriptions -------------------------------------------------------------------
-    def handle_subs_added(self, subs: list[dict[str, Any]]) -> None:
+    def handle_subs_added(self, subs: list[dict[str, Any]], pipe: Any = None) -> None:
         for m in subs:
             spec = m["spec"]
             if spec["type"] == "knn":
-                continue  # kNN subscriptions are evaluated elsewhere
+                state = self._knn_state(m["tenant"])
+                if m["id"] not in state.subs:
+                    sub = state.add(knn_sub(m["id"], spec))
+                    self._merge_knn(m["tenant"], [sub], pipe if pipe is not None else self.redis)
+                continue
             t = self.tenants.get(m["tenant"])
             if t is None:
                 assert self.index is not None
@@ -306,6 +353,10 @@ class Executor:
                                   m.get("expires_at"))
 
     def handle_subs_removed(self, ids: list[str]) -> None:
+        for state in self.knn.values():
+            for sid in ids:
+                if state.subs.pop(sid, None) is not None:
+                    self.redis.delete(f"gs:knn:{sid}")
         for t in self.tenants.values():
             for sid in ids:
                 key = t.key_of.pop(sid, None)
@@ -322,6 +373,10 @@ class Executor:
                  "xo", "dx")}
         at = [m["at"] for m in group for _ in m["id"]]
         self.received += len(cols["id"])
+        changed = self._knn_state(tenant).apply(cols, at, time.time())
+        if changed:
+            self._merge_knn(tenant, changed, pipe)
+            notify.setdefault(tenant, set()).update(s.id for s in changed)
         t = self.tenants.get(tenant)
         if t is None or not t.subs:
             return

@@ -143,16 +143,17 @@ class Router:
         for w in np.unique(owner):
             rows_by_worker[int(w)] = np.flatnonzero(owner == w).tolist()
         if moving_rows:
-            # A record whose object left another partition also goes to the owner of the
-            # previous position, which alone decides `exit` (DESIGN: detect).
+            # A record whose object left another worker's partition also goes to the owner of
+            # the previous position, which alone decides `exit` (DESIGN: detect).
             pl = [i for i in moving_rows if prev[i] is not None and not late[i]]
             if pl:
                 p_prev = index.partition_of_points(
                     np.asarray([prev[i][0] for i in pl]),  # type: ignore[index]
                     np.asarray([prev[i][1] for i in pl]))  # type: ignore[index]
                 for i, pp in zip(pl, p_prev.tolist(), strict=True):
-                    if pp != part[i]:
-                        extra.append((int(index.part_worker[pp]), i))
+                    w_prev = int(index.part_worker[pp])
+                    if w_prev != owner[i]:
+                        extra.append((w_prev, i))
                     else:
                         decide_exit[i] = True
         sent_at = time.time()

@@ -92,3 +92,15 @@ def received_matches(messages: list[dict[str, Any]]) -> Counter[Match]:
 
 def close_to_border(v: float, step: float) -> bool:
     return math.isclose(v / step, round(v / step), abs_tol=1e-9)
+
+
+def knn_oracle(spec: dict[str, Any], live: dict[str, tuple[float, float, list[str]]]
+               ) -> list[str]:
+    """Ids of the k live objects nearest to the point that satisfy the keyword predicate,
+    ties broken by id."""
+    lon, lat = spec["point"]
+    cands = []
+    for oid, (x, y, kws) in live.items():
+        if keywords_hold(spec, kws):
+            cands.append((round(float(haversine_m(lon, lat, x, y)), 3), oid))
+    return [oid for _, oid in sorted(cands)[: spec["k"]]]

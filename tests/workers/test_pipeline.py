@@ -270,3 +270,63 @@ async def _ttl_expiry(server: LiveServer, db_path: Path) -> None:
 
 def test_ttl_expiry_notifies_listeners(pipeline: LiveServer) -> None:
     asyncio.run(_ttl_expiry(pipeline, Path(pipeline.env["GEOSWARM_DATABASE_URL"][10:])))
+
+
+async def _knn(server: LiveServer) -> None:
+    from tests.workers.oracle import knn_oracle, record_keywords
+
+    rng = random.Random(5)
+    key = server.new_key()
+    specs = [{"type": "knn", "point": [0.0, 0.0], "k": 5},
+             {"type": "knn", "point": [0.3, 0.1], "k": 3, "keywords": ["taxi"]},
+             {"type": "knn", "point": [-1.0, 0.5], "k": 10, "keywords": ["taxi", "bus"],
+              "match": "all"}]
+    live: dict[str, tuple[float, float, list[str]]] = {}
+    async with httpx.AsyncClient(base_url=server.base_url, timeout=30) as client:
+        r = await client.post("/v1/subscriptions/batch", json={"subscriptions": specs},
+                              headers=auth(key))
+        ids = r.json()["ids"]
+        listener = Listener(server.ws_url, key)
+        await listener.connect()
+        await listener.listen(ids)
+        latest_ts: dict[str, float] = {}
+        clock = 1000.0
+        for _ in range(8):
+            objs = []
+            for _ in range(40):
+                clock += 1
+                obj: dict[str, Any] = {"lon": rng.uniform(-2, 2), "lat": rng.uniform(-1, 1),
+                                       "keywords": rng.sample(["taxi", "bus", "car"],
+                                                              rng.randint(0, 2)), "ts": clock}
+                if rng.random() < 0.7:  # moving objects crossing the partition border at 0
+                    obj["id"] = f"v{rng.randint(0, 30)}"
+                    if rng.random() < 0.1:
+                        obj["ts"] = clock - 100  # late: must not move the object
+                objs.append(obj)
+            r = await client.post("/v1/objects", json={"objects": objs}, headers=auth(key))
+            for obj, oid in zip(objs, r.json()["ids"], strict=True):
+                if "id" in obj and obj["ts"] < latest_ts.get(oid, -1):
+                    continue
+                latest_ts[oid] = obj["ts"]
+                live[oid] = (obj["lon"], obj["lat"], record_keywords(obj))
+        want = {sid: knn_oracle(spec, live) for sid, spec in zip(ids, specs, strict=True)}
+
+        def last(sid: str) -> list[str] | None:
+            msgs = [m for m in listener.messages if m["type"] == "knn"
+                    and m["subscription"] == sid]
+            return [n["id"] for n in msgs[-1]["neighbors"]] if msgs else None
+
+        await wait_for(lambda: all(last(s) == want[s] for s in ids), 30)
+        for sid in ids:
+            assert last(sid) == want[sid]
+            msgs = [m for m in listener.messages if m["type"] == "knn"
+                    and m["subscription"] == sid]
+            lists = [[n["id"] for n in m["neighbors"]] for m in msgs]
+            assert all(a != b for a, b in zip(lists, lists[1:], strict=False))
+            d = [n["distance_m"] for n in msgs[-1]["neighbors"]]
+            assert d == sorted(d)
+        await listener.close()
+
+
+def test_continuous_knn_matches_oracle(pipeline: LiveServer) -> None:
+    asyncio.run(_knn(pipeline))
