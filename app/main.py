@@ -5,13 +5,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
 import redis.exceptions
 from fastapi import FastAPI, Request
-from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from prometheus_client import Counter
@@ -93,6 +93,34 @@ def _error(status: int, detail: Any, headers: dict[str, str] | None = None) -> J
     return JSONResponse({"detail": detail}, status_code=status, headers=headers)
 
 
+_MAX_DETAIL_DEPTH = 32
+
+
+def _json_safe(value: Any, depth: int = 0) -> Any:
+    """An error detail that JSON can carry, whatever the input of a validation error was: NaN
+    and ±Infinity become strings, bytes are decoded, lone surrogates replaced, and nesting is
+    cut off (a body nested a thousand levels deep must not exhaust the stack here)."""
+    if depth > _MAX_DETAIL_DEPTH:
+        return "..."
+    if value is None or isinstance(value, bool | int):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else str(value)
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+            return value
+        except UnicodeEncodeError:
+            return value.encode("utf-8", "replace").decode("utf-8")
+    if isinstance(value, bytes | bytearray):
+        return bytes(value).decode("utf-8", "replace")
+    if isinstance(value, dict):
+        return {_json_safe(str(k), depth + 1): _json_safe(v, depth + 1) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_json_safe(v, depth + 1) for v in value]
+    return _json_safe(str(value), depth + 1)
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def api_error(_: Request, exc: ApiError) -> JSONResponse:
@@ -105,7 +133,7 @@ def install_error_handlers(app: FastAPI) -> None:
             if err.get("type") == "json_invalid":
                 ctx = err.get("ctx") or {}
                 return _error(400, f"malformed JSON: {ctx.get('error', 'cannot be parsed')}")
-        return _error(422, jsonable_encoder(errors))
+        return _error(422, _json_safe(errors))
 
     @app.exception_handler(redis.exceptions.ConnectionError)
     @app.exception_handler(redis.exceptions.TimeoutError)

@@ -164,8 +164,19 @@ class LiveServer:
                 proc.wait()
 
 
+_next_db = iter(range(10**9))
+
+
+def own_database(redis_url: str) -> str:
+    """The same Redis server, another database index, so that servers of different tests
+    (which flush their database on start) never touch each other's keys."""
+    base = redis_url.rsplit("/", 1)[0] if redis_url.count("/") > 2 else redis_url
+    return f"{base}/{1 + next(_next_db) % 15}"
+
+
 def start_server(tmp: Path, redis_url: str, database_url: str | None = None, workers: int = 2,
                  **env_overrides: str) -> LiveServer:
+    redis_url = own_database(redis_url)
     client = redis.Redis.from_url(redis_url)
     client.flushdb()
     client.close()

@@ -111,6 +111,12 @@ class Executor:
             except redis.ConnectionError as exc:
                 log.warning("worker %s: redis unavailable (%s); retrying", self.id, exc)
                 time.sleep(0.5)
+            except redis.ResponseError as exc:
+                if "NOGROUP" not in str(exc):
+                    raise
+                # The stream or its group vanished (FLUSHALL, a restored backup): recreate it.
+                log.warning("worker %s: consumer group missing; recreating it", self.id)
+                self._ensure_group()
         log.info("worker %s stopped", self.id)
 
     def _on_signal(self, signum: int, _frame: Any) -> None:

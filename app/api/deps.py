@@ -3,18 +3,20 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Annotated, Any
 
+import orjson
 import redis.asyncio as aioredis
-from fastapi import Depends, Request, WebSocket
+from fastapi import Depends, Request, Response, WebSocket
+from fastapi.routing import APIRoute
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.concurrency import run_in_threadpool
 
 from app.core.config import Settings
-from app.core.errors import Forbidden, RateLimited, Unauthorized
+from app.core.errors import BadRequest, Forbidden, RateLimited, Unauthorized, Unavailable
 from app.core.security import Principal, bootstrap_principal
 from app.services import keys as key_service
 
@@ -33,6 +35,45 @@ class AppState:
     router: Router | None = None
     hub: Hub | None = None
     extras: dict[str, Any] = field(default_factory=dict)
+
+
+class StrictJSONRequest(Request):
+    """A request whose JSON body is parsed by orjson: strict RFC 8259, so `NaN`, `Infinity`,
+    numbers that overflow a double (`1e999`) and lone surrogates are malformed JSON (400)
+    rather than values that validation would have to reject (and could not report)."""
+
+    async def json(self) -> Any:
+        if not hasattr(self, "_json"):
+            self._json = orjson.loads(await self.body())
+        return self._json
+
+
+class StrictJSONRoute(APIRoute):
+    """The route class of every router with a JSON body (the same parser as `/v1/objects`)."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+        takes_body = self.body_field is not None
+
+        async def strict_handler(request: Request) -> Response:
+            request = StrictJSONRequest(request.scope, request.receive)
+            if takes_body and not await request.body():
+                # An empty document is not JSON (as on /v1/objects), not a missing field.
+                raise BadRequest("malformed JSON: the request body is empty")
+            return await handler(request)
+
+        return strict_handler
+
+
+async def require_plan(state: AppState) -> None:
+    """503 while there is no partition plan (no worker has started yet)."""
+    if state.router is None:
+        raise Unavailable("the live pipeline is not running", headers={"Retry-After": "1"})
+    try:
+        await state.router.current_index()
+    except RuntimeError:
+        raise Unavailable("no partition plan yet: no worker has started",
+                          headers={"Retry-After": "1"}) from None
 
 
 def get_state(request: Request) -> AppState:
@@ -133,5 +174,6 @@ AdminDep = Annotated[Principal, Depends(get_admin)]
 
 async def websocket_principal(websocket: WebSocket) -> Principal:
     state: AppState = websocket.app.state.gs
-    key = bearer_token(websocket.headers.get("authorization")) or websocket.query_params.get("token")
+    key = (bearer_token(websocket.headers.get("authorization"))
+           or websocket.query_params.get("token"))
     return await authenticate(state, key)

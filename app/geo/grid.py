@@ -5,6 +5,7 @@ Point -> cell and bbox -> cell range share one floor formula, so borders are alw
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,10 +66,20 @@ class Grid:
         return cy * self.nx + cx
 
     def cell_range(self, bbox: BBox) -> tuple[int, int, int, int]:
-        """Inclusive (x0, y0, x1, y1) of the cells a bbox touches (same formula as cells_of)."""
-        xs = self._col(np.array([bbox[0], bbox[2]], dtype=np.float64))
-        ys = self._row(np.array([bbox[1], bbox[3]], dtype=np.float64))
-        return int(xs[0]), int(ys[0]), int(xs[1]), int(ys[1])
+        """Inclusive (x0, y0, x1, y1) of the cells a bbox touches (same formula as cells_of).
+
+        Scalar Python floats are IEEE doubles like numpy's, so `(v - min) / width` rounds
+        exactly as in cells_of; plain floats only avoid numpy's per-call overhead.
+        """
+        min_lon, min_lat = self.bounds[0], self.bounds[1]
+        w, h = self.cell_width, self.cell_height
+        nx1, ny1 = self.nx - 1, self.ny - 1
+        return (
+            min(max(math.floor((bbox[0] - min_lon) / w), 0), nx1),
+            min(max(math.floor((bbox[1] - min_lat) / h), 0), ny1),
+            min(max(math.floor((bbox[2] - min_lon) / w), 0), nx1),
+            min(max(math.floor((bbox[3] - min_lat) / h), 0), ny1),
+        )
 
     def cell_ranges(self, bboxes: FloatArray) -> IntArray:
         """Vectorised cell_range over an (n, 4) array of bboxes -> (n, 4) int32 (x0,y0,x1,y1)."""

@@ -332,7 +332,8 @@ class Hub:
         for i in range(0, len(lines), chunk):
             frame = b"\n".join(lines[i:i + chunk]).decode()
             try:
-                await asyncio.wait_for(conn.transport.send(frame), timeout=10.0)
+                await asyncio.wait_for(conn.transport.send(frame),
+                                       timeout=self.settings.ws_send_timeout_s)
             except TimeoutError:
                 conn.close_soon(1013, "client cannot keep up; resume with the last cursor")
                 raise ConnectionClosed(1013, "send timed out") from None

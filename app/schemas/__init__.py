@@ -164,7 +164,7 @@ class KeywordSubscription(_KeywordPredicate):
 
 class KnnSubscription(_KeywordPredicate):
     type: Literal["knn"]
-    point: Annotated[list[float], Field(min_length=2, max_length=2)]
+    point: Annotated[list[Annotated[float, Field(strict=True)]], Field(min_length=2, max_length=2)]
     k: Annotated[int, Field(ge=1, le=1000, strict=True)]
 
     @field_validator("point")
@@ -224,7 +224,9 @@ class KeyCreated(BaseModel):
     admin: bool
 
 
-def subscription_spec(sub: RangeSubscription | KeywordSubscription | KnnSubscription) -> dict[str, Any]:
+def subscription_spec(
+    sub: RangeSubscription | KeywordSubscription | KnnSubscription,
+) -> dict[str, Any]:
     """The stored form of a subscription: the given fields, defaults applied, ttl excluded."""
     spec = sub.model_dump(exclude_none=True, exclude={"ttl_s"})
     if sub.ttl_s is not None:

@@ -27,6 +27,8 @@ def create_key(session: Session, tenant: str, admin: bool) -> tuple[ApiKey, str]
 
 
 def revoke_key(session: Session, key_id: str) -> bool:
+    if "\x00" in key_id:  # never one of our ids; PostgreSQL rejects NUL in text
+        return False
     row = session.get(ApiKey, key_id)
     if row is None or row.revoked_at is not None:
         return False

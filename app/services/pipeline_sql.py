@@ -12,13 +12,14 @@ from typing import Any
 
 from starlette.concurrency import run_in_threadpool
 
-from app.api.deps import AppState
+from app.api.deps import AppState, require_plan
 from app.models import Subscription
 
 
 async def apply_with_pipeline(
     state: AppState, change: Callable[[Any], list[Subscription]], *, added: bool
 ) -> list[Subscription]:
+    await require_plan(state)
     session = state.sessions()
     try:
         rows = await run_in_threadpool(change, session)
@@ -31,7 +32,8 @@ async def apply_with_pipeline(
             await run_in_threadpool(session.commit)
         except BaseException:
             if rows and state.router is not None:
-                undo = state.router.remove_subscriptions if added else state.router.add_subscriptions
+                router = state.router
+                undo = router.remove_subscriptions if added else router.add_subscriptions
                 await undo(rows)
             raise
         return rows

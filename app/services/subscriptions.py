@@ -22,7 +22,9 @@ def to_public(row: Subscription) -> dict[str, Any]:
     return out
 
 
-def create_many(session: Session, tenant: str, specs: Sequence[dict[str, Any]]) -> list[Subscription]:
+def create_many(
+    session: Session, tenant: str, specs: Sequence[dict[str, Any]]
+) -> list[Subscription]:
     ensure_tenant(session, tenant)
     now = time.time()
     rows = []
@@ -38,6 +40,8 @@ def create_many(session: Session, tenant: str, specs: Sequence[dict[str, Any]]) 
 
 
 def get(session: Session, tenant: str, sub_id: str) -> Subscription | None:
+    if not _possible_id(sub_id):
+        return None
     row = session.scalar(select(Subscription).where(Subscription.id == sub_id))
     if row is None or row.tenant != tenant:
         return None
@@ -47,6 +51,7 @@ def get(session: Session, tenant: str, sub_id: str) -> Subscription | None:
 
 
 def get_many(session: Session, tenant: str, ids: Sequence[str]) -> list[Subscription]:
+    ids = [i for i in ids if _possible_id(i)]
     if not ids:
         return []
     now = time.time()
@@ -58,17 +63,28 @@ def encode_cursor(seq: int) -> str:
     return base64.urlsafe_b64encode(f"s{seq}".encode()).decode().rstrip("=")
 
 
+MAX_SEQ = 2**63 - 1  # a SQL BIGINT; a larger cursor is not one this server issued
+
+
 def decode_cursor(cursor: str) -> int | None:
     try:
         raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)).decode()
         if not raw.startswith("s"):
             return None
-        return int(raw[1:])
+        seq = int(raw[1:])
     except (ValueError, UnicodeDecodeError):
         return None
+    return seq if 0 <= seq <= MAX_SEQ else None
 
 
-def list_page(session: Session, tenant: str, limit: int, after_seq: int) -> tuple[list[Subscription], str | None]:
+def _possible_id(sub_id: str) -> bool:
+    """Ids are ours (`s_` + hex); NUL, which PostgreSQL cannot even compare, is never one."""
+    return "\x00" not in sub_id
+
+
+def list_page(
+    session: Session, tenant: str, limit: int, after_seq: int
+) -> tuple[list[Subscription], str | None]:
     rows = session.scalars(
         select(Subscription)
         .where(Subscription.tenant == tenant, Subscription.seq > after_seq)

@@ -8,10 +8,10 @@ from typing import Any
 import orjson
 from fastapi import APIRouter
 
-from app.api.deps import AdminDep, StateDep
+from app.api.deps import AdminDep, StateDep, StrictJSONRoute
 from app.pipeline import records as R
 
-router = APIRouter(prefix="/v1/admin", tags=["admin"])
+router = APIRouter(prefix="/v1/admin", tags=["admin"], route_class=StrictJSONRoute)
 
 
 @router.get("/cluster")

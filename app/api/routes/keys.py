@@ -5,13 +5,13 @@ from __future__ import annotations
 from fastapi import APIRouter, Response
 from starlette.concurrency import run_in_threadpool
 
-from app.api.deps import AdminDep, StateDep
+from app.api.deps import AdminDep, StateDep, StrictJSONRoute
 from app.core.db import session_scope
 from app.core.errors import NotFound
 from app.schemas import KeyCreate, KeyCreated
 from app.services import keys as key_service
 
-router = APIRouter(prefix="/v1/admin/keys", tags=["admin"])
+router = APIRouter(prefix="/v1/admin/keys", tags=["admin"], route_class=StrictJSONRoute)
 
 
 @router.post("", status_code=201, response_model=KeyCreated)

@@ -10,13 +10,13 @@ from fastapi import APIRouter, Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import TypeAdapter, ValidationError
 
-from app.api.deps import StateDep, TenantDep
-from app.core.errors import BadRequest, NotFound, PayloadTooLarge, Unavailable
+from app.api.deps import StateDep, StrictJSONRoute, TenantDep, require_plan
+from app.core.errors import BadRequest, NotFound, PayloadTooLarge
 from app.geo.tokenize import normalize_keywords, tokenize
 from app.pipeline.records import RecordBatch, new_event_ids
 from app.schemas import ObjectBatch, ObjectIn, ObjectOut, ObjectsAccepted
 
-router = APIRouter(prefix="/v1/objects", tags=["objects"])
+router = APIRouter(prefix="/v1/objects", tags=["objects"], route_class=StrictJSONRoute)
 
 _objects = TypeAdapter(list[ObjectIn])
 
@@ -119,8 +119,8 @@ async def publish(request: Request, state: StateDep, principal: TenantDep) -> Ob
     body = await request.body()
     objs = parse_objects(body, request.headers.get("content-type", ""), state.settings.max_batch)
     batch = to_records(objs, principal.tenant, time.time())
-    if state.router is None:
-        raise Unavailable("the live pipeline is not running", headers={"Retry-After": "1"})
+    await require_plan(state)
+    assert state.router is not None
     await state.router.publish(batch)
     return ObjectsAccepted(accepted=batch.size, ids=batch.ids)
 

@@ -45,7 +45,7 @@ class WebSocketTransport:
     async def close(self, code: int, reason: str) -> None:
         if self.ws.application_state == WebSocketState.CONNECTED:
             with contextlib.suppress(Exception):
-                await self.ws.close(code=code, reason=reason)
+                await asyncio.wait_for(self.ws.close(code=code, reason=reason), timeout=5)
 
 
 def _error(code: str, message: str) -> bytes:

@@ -7,13 +7,13 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Body, Query, Response
 from starlette.concurrency import run_in_threadpool
 
-from app.api.deps import StateDep, TenantDep
+from app.api.deps import StateDep, StrictJSONRoute, TenantDep
 from app.core.errors import NotFound, PayloadTooLarge
 from app.schemas import SubscriptionBatch, SubscriptionIds, SubscriptionIn, subscription_spec
 from app.services import subscriptions as sub_service
 from app.services.pipeline_sql import apply_with_pipeline
 
-router = APIRouter(prefix="/v1/subscriptions", tags=["subscriptions"])
+router = APIRouter(prefix="/v1/subscriptions", tags=["subscriptions"], route_class=StrictJSONRoute)
 
 
 @router.post("", status_code=201)

@@ -1,0 +1,327 @@
+"""API.md, Errors: 413 for a body over max_body_bytes (with or without Content-Length) or a
+batch over max_batch, 429 with Retry-After over the rate limit, 503 with Retry-After when Redis
+or the database is unavailable (never a 500) — and a rejected request changes nothing."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+
+from app.core.config import Settings
+from app.core.redis import EmbeddedRedis, free_port, start_embedded_redis
+from tests.app.httpapi import JSON, NDJSON, WORLD, Api, check
+from tests.conftest import BOOTSTRAP, LiveServer, auth, start_server
+
+MAX_BATCH = 10
+MAX_BODY = 64 * 1024
+
+
+def own_server(tmp: Path, workers: int = 1, **env: str) -> Iterator[LiveServer]:
+    """A server on its own redis-server: start_server flushes its Redis, which must not be the
+    shared one while another module-scoped server of this module runs on it."""
+    redis_server = start_embedded_redis(Settings(data_dir=tmp / "own"))
+    try:
+        s = start_server(tmp, redis_server.url, workers=workers, **env)
+        try:
+            yield s
+        finally:
+            s.stop()
+    finally:
+        redis_server.stop()
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    """A server with a small max_batch and max_body_bytes."""
+    yield from own_server(tmp_path_factory.mktemp("small"), GEOSWARM_MAX_BATCH=str(MAX_BATCH),
+                          GEOSWARM_MAX_BODY_BYTES=str(MAX_BODY))
+
+
+@pytest.fixture
+def api(small: LiveServer) -> Iterator[Api]:
+    a = Api(small)
+    yield a
+    a.close()
+
+
+def objects(n: int, prefix: str = "o") -> list[dict[str, Any]]:
+    return [{"id": f"{prefix}-{i}", "lon": 10.0, "lat": 10.0} for i in range(n)]
+
+
+def subs(n: int) -> list[dict[str, Any]]:
+    return [{"type": "keyword", "keywords": [f"k{i}"]} for i in range(n)]
+
+
+# --- 413: batch over max_batch --------------------------------------------------------------
+
+def test_object_batch_over_max_batch_is_413_and_stores_nothing(api: Api) -> None:
+    sub = api.subscribe({"type": "range", "bbox": WORLD})
+    over = objects(MAX_BATCH + 1, "json")
+    r = api.post("/v1/objects", {"objects": over})
+    assert r.status_code == 413, r.text
+    assert isinstance(r.json()["detail"], str)
+    nd = objects(MAX_BATCH + 1, "nd")
+    r = api.raw("/v1/objects", b"\n".join(orjson.dumps(o) for o in nd), NDJSON)
+    assert r.status_code == 413, r.text
+    api.assert_only_sentinels(sub["id"], rejected=[o["id"] for o in over + nd])
+    # Exactly max_batch is accepted.
+    assert len(api.publish(objects(MAX_BATCH, "full"))) == MAX_BATCH
+
+
+def test_subscription_batch_over_max_batch_is_413_and_stores_nothing(api: Api) -> None:
+    r = api.post("/v1/subscriptions/batch", {"subscriptions": subs(MAX_BATCH + 1)})
+    assert r.status_code == 413, r.text
+    assert api.subscription_ids() == []
+    r = api.post("/v1/subscriptions/batch", {"subscriptions": subs(MAX_BATCH)})
+    assert r.status_code == 201, r.text
+    assert api.subscription_ids() == r.json()["ids"]
+
+
+# --- 413: body over max_body_bytes ----------------------------------------------------------
+
+def big_objects_body(size: int) -> bytes:
+    """A well-formed objects body of about `size` bytes (only its size is wrong)."""
+    pad = "x" * 1000
+    n = size // 1000 + 1  # each object is over 1 000 bytes
+    return orjson.dumps({"objects": [{"id": f"big-{i}", "lon": 10, "lat": 10, "text": pad}
+                                     for i in range(n)]})
+
+
+BIG_BODIES = {
+    "/v1/objects": lambda: big_objects_body(MAX_BODY + 1),
+    "/v1/subscriptions": lambda: orjson.dumps({"type": "keyword", "keywords": ["a"],
+                                               "pad": "x" * MAX_BODY}),
+    "/v1/subscriptions/batch": lambda: orjson.dumps({"subscriptions": subs(MAX_BODY // 30)}),
+    "/v1/admin/keys": lambda: orjson.dumps({"tenant": "big", "pad": "x" * MAX_BODY}),
+}
+
+
+def chunks(body: bytes, size: int = 4096) -> Iterator[bytes]:
+    for i in range(0, len(body), size):
+        yield body[i:i + size]
+
+
+@pytest.mark.parametrize("path", list(BIG_BODIES))
+@pytest.mark.parametrize("chunked", [False, True], ids=["content-length", "chunked"])
+def test_body_over_max_body_bytes_is_413(small: LiveServer, api: Api, path: str,
+                                         chunked: bool) -> None:
+    body = BIG_BODIES[path]()
+    assert len(body) > MAX_BODY
+    key = small.admin_key if path.startswith("/v1/admin") else api.key
+    headers = {**auth(key), "content-type": JSON}
+    content: bytes | Iterator[bytes] = chunks(body) if chunked else body
+    r = check(httpx.post(small.base_url + path, content=content, headers=headers, timeout=30))
+    if chunked:
+        assert "content-length" not in r.request.headers
+        assert r.request.headers["transfer-encoding"] == "chunked"
+    assert r.status_code == 413, r.text
+    assert isinstance(r.json()["detail"], str)
+    assert api.subscription_ids() == []
+    for i in range(3):
+        assert api.get(f"/v1/objects/big-{i}").status_code == 404
+    assert httpx.get(small.base_url + "/healthz").status_code == 200
+
+
+def test_body_at_max_body_bytes_is_not_413(api: Api) -> None:
+    body = orjson.dumps({"objects": objects(1, "fits")})
+    body = body[:-1] + b" " * (MAX_BODY - len(body)) + b"}"
+    assert len(body) == MAX_BODY
+    assert api.raw("/v1/objects", body).status_code == 202
+    r = api.client.post("/v1/objects", content=chunks(body), headers={"content-type": JSON})
+    assert r.status_code == 202, r.text
+
+
+def test_unauthenticated_big_body_is_rejected(small: LiveServer) -> None:
+    r = httpx.post(small.base_url + "/v1/objects", content=big_objects_body(MAX_BODY * 4),
+                   headers={"content-type": JSON}, timeout=30)
+    assert r.status_code in (401, 413)
+
+
+def test_default_max_body_bytes_is_8_mib(server: LiveServer) -> None:
+    """The module's default server: 8 MiB + 1 byte is refused, also chunked."""
+    key = server.new_key()
+    body = big_objects_body(8 * 1024 * 1024 + 1)
+    assert len(body) > 8 * 1024 * 1024
+    headers = {**auth(key), "content-type": JSON}
+    for content in (body, chunks(body, 64 * 1024)):
+        r = check(httpx.post(server.base_url + "/v1/objects", content=content, headers=headers,
+                             timeout=60))
+        assert r.status_code == 413, r.text
+    assert httpx.get(server.base_url + "/v1/objects/big-0", headers=auth(key)).status_code == 404
+
+
+# --- 429 --------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def limited(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    yield from own_server(tmp_path_factory.mktemp("limited"), GEOSWARM_RATE_LIMIT_PER_S="5")
+
+
+def test_rate_limit_is_429_with_retry_after(limited: LiveServer) -> None:
+    key, other = limited.new_key(), limited.new_key()
+    with httpx.Client(base_url=limited.base_url, headers=auth(key), timeout=30) as c:
+        created: list[str] = []
+        refused = None
+        for i in range(500):  # 5/s: a burst of requests soon crosses the limit
+            r = check(c.post("/v1/subscriptions", json={"type": "keyword",
+                                                        "keywords": [f"k{i}"]}))
+            if r.status_code == 201:
+                created.append(r.json()["id"])
+                continue
+            refused = r
+            break
+        assert refused is not None, "the rate limit never answered 429"
+        assert refused.status_code == 429, refused.text
+        retry = refused.headers["retry-after"]
+        assert retry.isdigit() and int(retry) >= 1
+        assert isinstance(refused.json()["detail"], str)
+        # Another key is not limited by this one.
+        r = httpx.get(limited.base_url + "/v1/subscriptions", headers=auth(other), timeout=30)
+        assert r.status_code == 200
+        # The refused request stored nothing: once allowed again, the list holds exactly the
+        # subscriptions that were answered 201.
+        deadline = time.monotonic() + 30
+        while True:
+            r = check(c.get("/v1/subscriptions"))
+            if r.status_code == 200:
+                break
+            assert r.status_code == 429
+            assert time.monotonic() < deadline, "still rate limited"
+            time.sleep(0.2)
+        assert [s["id"] for s in r.json()["items"]] == created
+
+
+# --- 503: Redis down ------------------------------------------------------------------------------
+
+def test_redis_down_is_503_never_500(tmp_path: Path) -> None:
+    redis_server = start_embedded_redis(Settings(data_dir=tmp_path / "own"))
+    port = int(redis_server.url.rsplit(":", 1)[1].split("/")[0])
+    # Rate limiting off, so that requests reach the code that uses Redis for its own work.
+    s = start_server(tmp_path, redis_server.url, workers=1, GEOSWARM_RATE_LIMIT_PER_S="0")
+    restarted: EmbeddedRedis | None = None
+    try:
+        api = Api(s)
+        sub = api.subscribe({"type": "range", "bbox": WORLD})
+        api.publish([{"id": "before", "lon": 10, "lat": 10}])
+        redis_server.stop()
+        for method, path, body in [
+            ("POST", "/v1/objects", {"objects": [{"id": "during", "lon": 10, "lat": 10}]}),
+            ("GET", "/v1/objects/before", None),
+            ("POST", "/v1/subscriptions", {"type": "keyword", "keywords": ["a"]}),
+            ("POST", "/v1/subscriptions/batch", {"subscriptions": subs(2)}),
+            ("DELETE", f"/v1/subscriptions/{sub['id']}", None),
+            ("GET", f"/v1/subscriptions/{sub['id']}/matches", None),
+        ]:
+            r = api.client.request(method, path, json=body)
+            assert r.status_code == 503, (method, path, r.status_code, r.text)
+            assert r.headers["retry-after"].isdigit(), r.headers
+        r = httpx.get(s.base_url + "/readyz", timeout=30)
+        assert r.status_code == 503 and r.headers["retry-after"].isdigit()
+        assert r.json()["ready"] is False
+        # The database still answers: the refused creates and the refused delete changed
+        # nothing there.
+        assert api.subscription_ids() == [sub["id"]]
+        assert httpx.get(s.base_url + "/healthz").status_code == 200
+        r = httpx.get(s.base_url + "/v1/admin/cluster", headers=s.admin(), timeout=30)
+        assert r.status_code == 503
+        assert s.procs["api"].poll() is None
+        # Redis back (its AOF reloaded): the api serves again, without a restart.
+        restarted = start_embedded_redis(Settings(data_dir=tmp_path / "own"), port=port)
+        deadline = time.monotonic() + 30
+        while True:
+            r = api.client.post("/v1/objects",
+                                json={"objects": [{"id": "after", "lon": 10, "lat": 10}]})
+            if r.status_code == 202 or time.monotonic() > deadline:
+                break
+            assert r.status_code == 503, r.text
+            time.sleep(0.2)
+        assert r.status_code == 202, r.text
+        assert api.get("/v1/objects/after").status_code == 200
+        assert api.get("/v1/objects/during").status_code == 404
+        assert api.get("/v1/objects/before").status_code == 200
+        api.close()
+    finally:
+        s.stop()
+        redis_server.stop()
+        if restarted is not None:
+            restarted.stop()
+
+
+# --- 503: database down ---------------------------------------------------------------------------
+
+def test_database_down_is_503_never_500(tmp_path: Path) -> None:
+    """An api whose database is a closed port: readyz and every authenticated request 503."""
+    redis_server = start_embedded_redis(Settings(data_dir=tmp_path / "own"))
+    port = free_port()
+    env = dict(os.environ)
+    env.update({
+        "GEOSWARM_REDIS_URL": redis_server.url,
+        "GEOSWARM_DATA_DIR": str(tmp_path),
+        "GEOSWARM_DATABASE_URL": "postgresql://postgres@127.0.0.1:1/x",
+        "GEOSWARM_BOOTSTRAP_ADMIN_KEY": BOOTSTRAP,
+        "GEOSWARM_ENVIRONMENT": "test",
+        "GEOSWARM_WORKERS": "w0",
+    })
+    s = LiveServer(base_url=f"http://127.0.0.1:{port}", ws_url=f"ws://127.0.0.1:{port}",
+                   redis_url=redis_server.url, env=env, log_dir=tmp_path)
+    s.spawn("api", ["api", "--port", str(port), "--no-migrate"])
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(s.base_url + "/healthz", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert s.procs["api"].poll() is None, (tmp_path / "api.log").read_text()
+            assert time.monotonic() < deadline, "api did not start"
+            time.sleep(0.1)
+        r = httpx.get(s.base_url + "/readyz", timeout=30)
+        assert r.status_code == 503, r.text
+        assert r.headers["retry-after"].isdigit()
+        assert r.json()["checks"]["database"] != "ok"
+        tenant_key = auth("gs_" + secrets.token_urlsafe(32))
+        requests = [
+            ("POST", "/v1/objects", {"objects": [{"lon": 1, "lat": 1}]}),
+            ("GET", "/v1/objects/x", None),
+            ("POST", "/v1/subscriptions", {"type": "keyword", "keywords": ["a"]}),
+            ("POST", "/v1/subscriptions/batch", {"subscriptions": subs(2)}),
+            ("GET", "/v1/subscriptions", None),
+            ("GET", "/v1/subscriptions/s_1", None),
+            ("DELETE", "/v1/subscriptions/s_1", None),
+            ("GET", "/v1/subscriptions/s_1/matches", None),
+            ("POST", "/v1/admin/keys", {"tenant": "acme"}),
+            ("DELETE", "/v1/admin/keys/k_1", None),
+        ]
+        for method, path, body in requests:
+            # Any key needs the database to be checked: 503, not 401.
+            r = httpx.request(method, s.base_url + path, json=body, headers=tenant_key,
+                              timeout=30)
+            assert r.status_code == 503, (method, path, r.status_code, r.text)
+            assert r.headers["retry-after"].isdigit()
+        # The bootstrap admin key needs no database lookup; what it asks for still does (or
+        # the live pipeline, which has no plan without a worker): 503 as well.
+        for method, path, body in requests:
+            if path == "/v1/objects/x":
+                continue  # a Redis read: answers 404 without the database
+            r = httpx.request(method, s.base_url + path, json=body, headers=s.admin(),
+                              timeout=30)
+            assert r.status_code == 503, (method, path, r.status_code, r.text)
+            assert r.headers["retry-after"].isdigit()
+        # Validation still comes first: a bad body is a 422 / 400, not a 503.
+        r = httpx.post(s.base_url + "/v1/subscriptions", content=b"{",
+                       headers={**s.admin(), "content-type": JSON})
+        assert r.status_code == 400
+        assert httpx.get(s.base_url + "/healthz").status_code == 200
+        assert s.procs["api"].poll() is None
+    finally:
+        s.stop()
+        redis_server.stop()
