@@ -85,58 +85,66 @@ class HistoryBatch:
 async def read_history(redis: aioredis.Redis, sub_id: str, pos: Position, count: int,
                        tenant: str) -> HistoryBatch:
     """Messages of `sub_id` after `pos`, at most about `count` entries."""
-    entries = await redis.xrange(R.history_key(sub_id), min=entry_start(pos), count=count)
-    return await render_entries(redis, sub_id, entries, pos, count, tenant)
+    return (await read_histories(redis, {sub_id: pos}, count, tenant))[sub_id]
 
 
-async def render_entries(redis: aioredis.Redis, sub_id: str,
-                         entries: list[tuple[bytes, dict[bytes, bytes]]], pos: Position,
-                         count: int, tenant: str) -> HistoryBatch:
-    wanted: dict[bytes, list[bytes]] = {}
-    parsed: list[tuple[str, tuple[int, int], list[Any], dict[bytes, bytes]]] = []
-    for eid_b, fields in entries:
-        eid = eid_b.decode()
-        key = parse_entry_id(eid)
-        refs = R.unpack(fields[b"m"]) if b"m" in fields else []
-        parsed.append((eid, key, refs, fields))
-        if b"b" in fields:
-            rkey = R.records_key(tenant, int(fields[b"b"]))
-            lst = wanted.setdefault(rkey.encode(), [])
-            lst.extend(refs[0::2])
+async def read_histories(redis: aioredis.Redis, positions: dict[str, Position], count: int,
+                         tenant: str) -> dict[str, HistoryBatch]:
+    """Many subscriptions' messages after their positions in two round trips: one pipeline of
+    XRANGEs, one of HMGETs for the records they reference (each record stored once)."""
+    subs = list(positions)
+    pipe = redis.pipeline(transaction=False)
+    for sub in subs:
+        pipe.xrange(R.history_key(sub), min=entry_start(positions[sub]), count=count)
+    replies = await pipe.execute()
+    parsed: dict[str, list[tuple[str, tuple[int, int], list[Any], dict[bytes, bytes]]]] = {}
+    wanted: dict[bytes, set[bytes]] = {}
+    for sub, entries in zip(subs, replies, strict=True):
+        rows = parsed[sub] = []
+        for eid_b, fields in entries:
+            eid = eid_b.decode()
+            refs = R.unpack(fields[b"m"]) if b"m" in fields else []
+            rows.append((eid, parse_entry_id(eid), refs, fields))
+            if b"b" in fields:
+                rkey = R.records_key(tenant, int(fields[b"b"])).encode()
+                wanted.setdefault(rkey, set()).update(
+                    r if isinstance(r, bytes) else r.encode() for r in refs[0::2])
     records: dict[bytes, dict[str, bytes | None]] = {}
     if wanted:
         pipe = redis.pipeline(transaction=False)
-        order = list(wanted)
-        for rk in order:
-            pipe.hmget(rk, wanted[rk])
-        for rk, vals in zip(order, await pipe.execute(), strict=True):
-            rids = wanted[rk]
-            records[rk] = {
-                (r.decode() if isinstance(r, bytes) else r): v
-                for r, v in zip(rids, vals, strict=True)
-            }
+        order = [(rk, list(rids)) for rk, rids in wanted.items()]
+        for rk, rids in order:
+            pipe.hmget(rk, rids)
+        for (rk, rids), vals in zip(order, await pipe.execute(), strict=True):
+            records[rk] = {r.decode(): v for r, v in zip(rids, vals, strict=True)}
+    return {sub: render_entries(sub, parsed[sub], records, positions[sub], count, tenant)
+            for sub in subs}
+
+
+def render_entries(sub_id: str,
+                   parsed: list[tuple[str, tuple[int, int], list[Any], dict[bytes, bytes]]],
+                   records: dict[bytes, dict[str, bytes | None]], pos: Position, count: int,
+                   tenant: str) -> HistoryBatch:
     sub_json = orjson.dumps(sub_id)
     lines: list[bytes] = []
     last = pos
     for eid, key, refs, fields in parsed:
         if b"k" in fields:  # kNN: the new ordered neighbour list
-            idx = 0
-            if (key[0], key[1]) == (pos[0], pos[1]) and idx <= pos[2]:
+            if (key[0], key[1]) == (pos[0], pos[1]) and 0 <= pos[2]:
                 continue
-            cur = orjson.dumps(format_cursor(eid, idx))
+            cur = orjson.dumps(format_cursor(eid, 0))
             lines.append(b'{"type":"knn","subscription":' + sub_json + b',"cursor":' + cur
                          + b',"neighbors":' + fields[b"k"] + b"}")
-            last = (key[0], key[1], idx)
+            last = (key[0], key[1], 0)
             continue
-        rk = R.records_key(tenant, int(fields[b"b"])).encode()
-        recs = records.get(rk, {})
+        recs = records.get(R.records_key(tenant, int(fields[b"b"])).encode(), {})
+        same = (key[0], key[1]) == (pos[0], pos[1])
         for j in range(0, len(refs), 2):
             idx = j // 2
-            if (key[0], key[1]) == (pos[0], pos[1]) and idx <= pos[2]:
+            if same and idx <= pos[2]:
                 continue
             last = (key[0], key[1], idx)
-            rid = refs[j]
-            rec = recs.get(rid)
+            rec = recs.get(refs[j])
             if rec is None:
                 continue  # the record outlived its retention
             cur = orjson.dumps(format_cursor(eid, idx))
@@ -145,7 +153,7 @@ async def render_entries(redis: aioredis.Redis, sub_id: str,
                          + b'","object":' + rec + b"}")
         if (key[0], key[1]) > (last[0], last[1]):
             last = (key[0], key[1], max(0, len(refs) // 2 - 1))
-    return HistoryBatch(lines=lines, position=last, full=len(entries) >= count)
+    return HistoryBatch(lines=lines, position=last, full=len(parsed) >= count)
 
 
 async def history_gap(redis: aioredis.Redis, sub_id: str, pos: Position,
@@ -314,18 +322,23 @@ class Hub:
 
     async def deliver(self, conn: Connection, subs: list[str], budget: int) -> None:
         tenant = conn.principal.tenant
-        for sub in subs:
-            pos = conn.positions.get(sub)
-            if pos is None:
+        per_round = 512  # subscriptions read in one pipelined round trip
+        for i in range(0, len(subs), per_round):
+            positions = {sub: conn.positions[sub] for sub in subs[i:i + per_round]
+                         if sub in conn.positions}
+            if not positions:
                 continue
-            batch = await read_history(self.redis, sub, pos, min(256, budget), tenant)
-            if sub not in conn.positions:
-                continue  # unlistened meanwhile
-            if batch.lines:
-                await self._send(conn, batch.lines)
-            conn.positions[sub] = batch.position
-            if batch.full:
-                conn.mark((sub,))
+            batches = await read_histories(self.redis, positions, min(256, budget), tenant)
+            lines: list[bytes] = []
+            for sub, batch in batches.items():
+                if sub not in conn.positions:
+                    continue  # unlistened meanwhile
+                lines += batch.lines
+                conn.positions[sub] = batch.position
+                if batch.full:
+                    conn.mark((sub,))
+            if lines:
+                await self._send(conn, lines)
 
     async def _send(self, conn: Connection, lines: list[bytes]) -> None:
         chunk = 200
