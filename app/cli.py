@@ -279,6 +279,23 @@ def dev(
     typer.echo("geoswarm stopped")
 
 
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def bench(
+    ctx: typer.Context,
+    name: Annotated[str, typer.Argument(help="matcher | pipeline")],
+) -> None:
+    """Benchmarks (bench/): `matcher` (the evaluator index against brute force) or `pipeline`
+    (the whole system over HTTP and WebSockets). `geoswarm bench NAME --help` lists options."""
+    if name == "matcher":
+        from bench.matcher import main as bench_main
+    elif name == "pipeline":
+        from bench.pipeline import main as bench_main
+    else:
+        typer.echo(f"unknown benchmark {name!r}: choose matcher or pipeline", err=True)
+        raise typer.Exit(2)
+    bench_main(list(ctx.args))
+
+
 def main() -> None:
     app()
 

@@ -12,7 +12,7 @@ import numpy as np
 import numpy.typing as npt
 
 from app.geo.geometry import EARTH_RADIUS_M
-from app.geo.matcher import Sub
+from app.geo.matcher import Sub, sub_from_spec
 from app.geo.tokenize import tokenize
 
 F64 = npt.NDArray[np.float64]
@@ -181,29 +181,7 @@ def make_subscriptions(
 
 def to_sub(d: dict[str, Any], key: int) -> Sub:
     """Convert an API-shaped subscription dict into the matcher's `Sub`."""
-    kws = tuple(d.get("keywords") or ())
-    match_all = d.get("match", "any") == "all"
-    if d["type"] == "keyword":
-        return Sub(key=key, kind="keyword", keywords=kws, match_all=match_all)
-    if d["type"] != "range":
-        raise ValueError(f"the matcher handles range and keyword subs, not {d['type']!r}")
-    if d.get("circle") is not None:
-        ci = d["circle"]
-        return Sub(
-            key=key,
-            kind="circle",
-            circle=(float(ci["lon"]), float(ci["lat"]), float(ci["radius_m"])),
-            keywords=kws,
-            match_all=match_all,
-        )
-    b = d["bbox"]
-    return Sub(
-        key=key,
-        kind="bbox",
-        bbox=(float(b[0]), float(b[1]), float(b[2]), float(b[3])),
-        keywords=kws,
-        match_all=match_all,
-    )
+    return sub_from_spec(key, d)
 
 
 def to_subs(ds: list[dict[str, Any]]) -> list[Sub]:

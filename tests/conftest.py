@@ -5,26 +5,19 @@ from __future__ import annotations
 
 import os
 import secrets
-import signal
 import socket
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
 import pytest
 import redis
 
 from app.core.config import Settings
-from app.core.redis import EmbeddedRedis, free_port, start_embedded_redis
+from app.core.redis import EmbeddedRedis, start_embedded_redis
+from bench.cluster import BOOTSTRAP, ROOT, LiveServer, start_server  # noqa: F401 - re-exported
 
-ROOT = Path(__file__).resolve().parents[1]
 REDIS7_URL = os.environ.get("GEOSWARM_TEST_REDIS7_URL", "redis://127.0.0.1:6379/9")
 PG_URL = os.environ.get("GEOSWARM_TEST_PG_URL", "postgresql://postgres@127.0.0.1:5432/test")
-BOOTSTRAP = "test-bootstrap-admin-key-" + secrets.token_hex(8)
 
 
 def _reachable(host: str, port: int) -> bool:
@@ -103,114 +96,6 @@ def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
             conn.execute("CREATE SCHEMA public")
         return base
     return f"sqlite:///{tmp_path / 'test.db'}"
-
-
-@dataclass
-class LiveServer:
-    """A running api (and workers) against one Redis and one database."""
-
-    base_url: str
-    ws_url: str
-    redis_url: str
-    env: dict[str, str]
-    admin_key: str = BOOTSTRAP
-    procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
-    log_dir: Path = Path(".")
-
-    def admin(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.admin_key}"}
-
-    def new_key(self, tenant: str | None = None, admin: bool = False) -> str:
-        tenant = tenant or "t" + secrets.token_hex(4)
-        r = httpx.post(self.base_url + "/v1/admin/keys", json={"tenant": tenant, "admin": admin},
-                       headers=self.admin(), timeout=10)
-        r.raise_for_status()
-        return str(r.json()["key"])
-
-    def spawn(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
-        log = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 - closed with the process
-        proc = subprocess.Popen([sys.executable, "-m", "app.cli", *args], env=self.env,
-                                stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
-        self.procs[name] = proc
-        return proc
-
-    def start_worker(self, wid: str) -> subprocess.Popen[bytes]:
-        return self.spawn(wid, ["worker", "--id", wid])
-
-    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
-        proc = self.procs[name]
-        proc.send_signal(sig)
-        if sig in (signal.SIGKILL, signal.SIGTERM):
-            proc.wait(15)
-
-    def wait_workers(self, n: int, timeout: float = 30) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            r = httpx.get(self.base_url + "/v1/admin/cluster", headers=self.admin(), timeout=5)
-            if r.status_code == 200 and sum(w["alive"] for w in r.json()["workers"]) >= n:
-                return
-            time.sleep(0.1)
-        raise TimeoutError(f"{n} live workers did not appear")
-
-    def stop(self) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in self.procs.values():
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-
-
-_next_db = iter(range(10**9))
-
-
-def own_database(redis_url: str) -> str:
-    """The same Redis server, another database index, so that servers of different tests
-    (which flush their database on start) never touch each other's keys."""
-    base = redis_url.rsplit("/", 1)[0] if redis_url.count("/") > 2 else redis_url
-    return f"{base}/{1 + next(_next_db) % 15}"
-
-
-def start_server(tmp: Path, redis_url: str, database_url: str | None = None, workers: int = 2,
-                 **env_overrides: str) -> LiveServer:
-    redis_url = own_database(redis_url)
-    client = redis.Redis.from_url(redis_url)
-    client.flushdb()
-    client.close()
-    port = free_port()
-    env = dict(os.environ)
-    env.update({
-        "GEOSWARM_REDIS_URL": redis_url,
-        "GEOSWARM_DATA_DIR": str(tmp),
-        "GEOSWARM_DATABASE_URL": database_url or f"sqlite:///{tmp / 'geoswarm.db'}",
-        "GEOSWARM_BOOTSTRAP_ADMIN_KEY": BOOTSTRAP,
-        "GEOSWARM_ENVIRONMENT": "test",
-        "GEOSWARM_WORKERS": ",".join(f"w{i}" for i in range(workers)),
-        "GEOSWARM_BALANCE_PERIOD_S": "2",
-    })
-    env.update(env_overrides)
-    server = LiveServer(base_url=f"http://127.0.0.1:{port}", ws_url=f"ws://127.0.0.1:{port}",
-                        redis_url=redis_url, env=env, log_dir=tmp)
-    subprocess.run([sys.executable, "-m", "app.cli", "migrate"], env=env, cwd=ROOT, check=True,
-                   capture_output=True)
-    for i in range(workers):
-        server.start_worker(f"w{i}")
-    server.spawn("api", ["api", "--port", str(port), "--no-migrate"])
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            if httpx.get(server.base_url + "/readyz", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if server.procs["api"].poll() is not None or time.monotonic() > deadline:
-            server.stop()
-            raise RuntimeError("api did not become ready:\n" + (tmp / "api.log").read_text())
-        time.sleep(0.1)
-    return server
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ import redis
 from app.core.config import Settings
 from app.core.db import make_engine, make_sessionmaker
 from app.geo.index import GlobalIndex, Plan
-from app.geo.matcher import Sub, SubscriptionIndex
+from app.geo.matcher import SubscriptionIndex, sub_from_spec
 from app.pipeline import records as R
 from app.pipeline.router import targets_for_spec
 from app.services.subscriptions import all_live
@@ -49,20 +49,6 @@ class TenantIndex:
     index: SubscriptionIndex
     subs: dict[int, SubInfo] = field(default_factory=dict)
     key_of: dict[str, int] = field(default_factory=dict)
-
-
-def matcher_sub(key: int, spec: dict[str, Any]) -> Sub:
-    kws = tuple(spec.get("keywords") or ())
-    match_all = spec.get("match", "any") == "all"
-    if spec["type"] == "keyword":
-        return Sub(key=key, kind="keyword", keywords=kws, match_all=match_all)
-    if "bbox" in spec:
-        b = spec["bbox"]
-        return Sub(key=key, kind="bbox", bbox=(b[0], b[1], b[2], b[3]), keywords=kws,
-                   match_all=match_all)
-    c = spec["circle"]
-    return Sub(key=key, kind="circle", circle=(c["lon"], c["lat"], c["radius_m"]),
-               keywords=kws, match_all=match_all)
 
 
 @dataclass
@@ -353,7 +339,7 @@ class Executor:
                 continue
             self.key_seq += 1
             key = self.key_seq
-            t.index.add(matcher_sub(key, spec))
+            t.index.add(sub_from_spec(key, spec))
             t.key_of[m["id"]] = key
             t.subs[key] = SubInfo(m["id"], spec, frozenset(spec.get("detect") or ("inside",)),
                                   m.get("expires_at"))

@@ -88,6 +88,24 @@ class Sub:
         return None
 
 
+def sub_from_spec(key: int, spec: dict[str, Any]) -> Sub:
+    """The matcher's view of an API subscription (range with bbox or circle, or keyword)."""
+    kws = tuple(spec.get("keywords") or ())
+    match_all = spec.get("match", "any") == "all"
+    if spec["type"] == "keyword":
+        return Sub(key=key, kind="keyword", keywords=kws, match_all=match_all)
+    if spec["type"] != "range":
+        raise ValueError(f"the matcher handles range and keyword subs, not {spec['type']!r}")
+    if spec.get("circle") is not None:
+        c = spec["circle"]
+        return Sub(key=key, kind="circle",
+                   circle=(float(c["lon"]), float(c["lat"]), float(c["radius_m"])),
+                   keywords=kws, match_all=match_all)
+    b = spec["bbox"]
+    return Sub(key=key, kind="bbox", bbox=(float(b[0]), float(b[1]), float(b[2]), float(b[3])),
+               keywords=kws, match_all=match_all)
+
+
 # --------------------------------------------------------------------------------------------
 # Oracles
 # --------------------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from tests.app.httpapi import JSON, NDJSON
 from tests.conftest import LiveServer, auth
 
-FUZZ = settings(max_examples=1500, deadline=None, database=None, derandomize=False,
+FUZZ = settings(max_examples=150, deadline=None, database=None, derandomize=False,
                 suppress_health_check=[HealthCheck.function_scoped_fixture,
                                        HealthCheck.too_slow, HealthCheck.data_too_large])
 
