@@ -8,7 +8,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -262,10 +261,9 @@ def dev(
         pool.spawn("api", [*exe, "api", "--host", host, "--port", str(port), "--no-migrate"])
         base = f"http://{host}:{port}"
         if _wait_ready(base):
+            where = f" (embedded, AOF in {settings.data_dir / 'redis'})" if server else ""
             typer.echo(f"\ngeoswarm is running at {base}\n  API docs:  {base}/docs\n"
-                       f"  admin key: {key}\n  redis:     {url}"
-                       f"{' (embedded, AOF in ' + str(Path(settings.data_dir) / 'redis') + ')' if server else ''}\n"
-                       f"Stop with Ctrl-C.\n", )
+                       f"  admin key: {key}\n  redis:     {url}{where}\nStop with Ctrl-C.\n")
         else:
             typer.echo(f"geoswarm did not become ready at {base}/readyz", err=True)
         while not stop["signal"]:

@@ -64,7 +64,9 @@ class Executor:
     def __init__(self, settings: Settings, worker_id: str, redis_url: str) -> None:
         self.settings = settings
         self.id = worker_id
-        self.redis = redis.Redis.from_url(redis_url, socket_timeout=30, socket_connect_timeout=5)
+        # redis-py's reply types are unions of every RESP shape; treat replies as Any here.
+        self.redis: Any = redis.Redis.from_url(redis_url, socket_timeout=30,
+                                               socket_connect_timeout=5)
         self.stream = R.worker_stream(worker_id)
         self.tenants: dict[str, TenantIndex] = {}
         self.key_seq = 0
@@ -133,7 +135,7 @@ class Executor:
         try:
             with make_sessionmaker(engine)() as session:
                 rows = all_live(session, time.time())
-                msgs = [{"id": r.id, "tenant": r.tenant, "spec": r.spec,
+                msgs: list[dict[str, Any]] = [{"id": r.id, "tenant": r.tenant, "spec": r.spec,
                          "expires_at": r.expires_at} for r in rows]
         finally:
             engine.dispose()
@@ -161,8 +163,8 @@ class Executor:
             owner = self.index.worker_of_points(np.asarray(lons), np.asarray(lats))
             state = self._knn_state(tenant)
             for i in np.flatnonzero(owner == me).tolist():
-                state.objects.upsert_moving(ids[i], lons[i], lats[i], frozenset(rest[i][1]),
-                                            rest[i][0])
+                state.objects.upsert_moving(ids[i], float(lons[i]), float(lats[i]),
+                                            frozenset(rest[i][1]), float(rest[i][0]))
 
     def _knn_state(self, tenant: str) -> KnnState:
         state = self.knn.get(tenant)

@@ -56,6 +56,8 @@ def parse_cursor(cursor: str) -> Position | None:
         return None
     if ms < 0 or seq < 0 or i < 0 or "-" not in eid or not idx:
         return None
+    if ms >= MAX_SEQ or seq >= MAX_SEQ:
+        return None  # beyond Redis' 64-bit stream ids (and we add 1 to ms)
     return ms, seq, i
 
 
@@ -221,12 +223,18 @@ class Hub:
         while True:
             try:
                 pubsub = self.redis.pubsub()
-                await pubsub.subscribe(R.NOTIFY_CHANNEL, R.REVOKED_CHANNEL, R.SUBS_CHANNEL)
+                await pubsub.subscribe(R.NOTIFY_CHANNEL, R.REVOKED_CHANNEL, R.SUBS_CHANNEL,
+                                      R.PLAN_CHANNEL)
                 # A reconnect may have missed notifications: wake everyone once.
                 for conn in self.conns:
                     conn.mark(conn.positions)
                 async for msg in pubsub.listen():
                     if msg.get("type") != "message":
+                        continue
+                    if msg["channel"] == R.PLAN_CHANNEL.encode():
+                        # A new plan version: reload at once rather than at the next check.
+                        if self.state.router is not None:
+                            await self.state.router.refresh()
                         continue
                     self._dispatch(msg["channel"], orjson.loads(msg["data"]))
             except asyncio.CancelledError:

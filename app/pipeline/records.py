@@ -88,7 +88,7 @@ class RecordBatch:
         return out
 
 
-def pack(msg: dict[str, Any]) -> bytes:
+def pack(msg: Any) -> bytes:
     return msgpack.packb(msg, use_bin_type=True)  # type: ignore[no-any-return]
 
 

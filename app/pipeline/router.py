@@ -58,7 +58,7 @@ def grid_of(settings: Settings) -> Grid:
 
 async def load_plan(redis: aioredis.Redis) -> Plan | None:
     raw = await redis.get(R.PLAN_KEY)
-    return None if raw is None else Plan.from_json(raw.decode())
+    return None if raw is None else Plan.from_json(raw)
 
 
 def targets_for_spec(index: GlobalIndex, spec: dict[str, Any]) -> set[str]:
@@ -108,7 +108,7 @@ class Router:
         for wid, info in raw.items():
             beat = orjson.loads(info).get("heartbeat", 0)
             if now - beat <= self.settings.worker_dead_after_s:
-                live.append(wid.decode())
+                live.append(wid.decode() if isinstance(wid, bytes) else wid)
         return sorted(live)
 
     # --- objects -------------------------------------------------------------------------

@@ -274,11 +274,6 @@ def test_matches_cursor_past_redis_stream_ids(server: LiveServer, client: httpx.
         assert r.status_code == 200, (since, r.text)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "app/pipeline/hub.py parse_cursor accepts entry ids past Redis' 64-bit stream ids "
-    "(e.g. 99999999999999999999999-0:0, 18446744073709551615-18446744073709551615:0); "
-    "XRANGE then fails with 'Invalid stream ID' and GET .../matches answers 500. "
-    "Owned by the pipeline; remove this marker once parse_cursor rejects them (422)."))
 @pytest.mark.parametrize("since", ["99999999999999999999999-0:0",
                                    "18446744073709551615-18446744073709551615:0"])
 def test_matches_cursor_past_64_bits_is_422(server: LiveServer, client: httpx.Client,

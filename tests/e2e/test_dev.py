@@ -52,6 +52,17 @@ def test_geoswarm_dev_end_to_end(tmp_path: Path) -> None:
         admin_key = (tmp_path / "data" / "admin.key").read_text().strip()
         cluster = httpx.get(base + "/v1/admin/cluster", headers=auth(admin_key)).json()
         assert sorted(w["id"] for w in cluster["workers"] if w["alive"]) == ["w0", "w1"]
+        # a worker that dies is restarted by the supervisor within a few seconds
+        old_pid = next(w["pid"] for w in cluster["workers"] if w["id"] == "w0")
+        os.kill(old_pid, signal.SIGKILL)
+        deadline = time.monotonic() + 20
+        while True:
+            workers = httpx.get(base + "/v1/admin/cluster", headers=auth(admin_key)).json()
+            w0 = next(w for w in workers["workers"] if w["id"] == "w0")
+            if w0["alive"] and w0["pid"] != old_pid:
+                break
+            assert time.monotonic() < deadline, "w0 was not restarted"
+            time.sleep(0.2)
         children = psutil.Process(dev.pid).children(recursive=True)
         assert len(children) >= 4  # redis-server, api, two workers
     finally:
