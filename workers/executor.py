@@ -30,7 +30,24 @@ from workers.knn import MERGE_SCRIPT, KnnState, KnnSub, knn_sub
 
 log = logging.getLogger(__name__)
 
-DETECT_CODES = {"inside": 0, "enter": 1, "exit": 2}
+# One call appends a batch's history entries: KEYS are history streams, ARGV = bucket,
+# tenant, maxlen, ttl, then one packed reference list per key. Returns, per key, the id of
+# the entry before the new one and the new id, so hubs can push the entry directly to a
+# client whose cursor is exactly at that previous entry.
+HISTORY_SCRIPT = """
+local out = {}
+for i = 1, #KEYS do
+  local last = redis.call('XREVRANGE', KEYS[i], '+', '-', 'COUNT', 1)
+  local prev = '0-0'
+  if last[1] then prev = last[1][1] end
+  out[2 * i - 1] = prev
+  out[2 * i] = redis.call('XADD', KEYS[i], 'MAXLEN', '~', ARGV[3], '*', 'b', ARGV[1],
+                          't', ARGV[2], 'm', ARGV[4 + i])
+  redis.call('EXPIRE', KEYS[i], ARGV[4])
+end
+return out
+"""
+HISTORY_CHUNK = 4096  # history entries per script call (bounds the time Redis is busy)
 I64 = np.ndarray[Any, np.dtype[np.int64]]
 
 
@@ -42,22 +59,49 @@ class SubInfo:
     expires_at: float | None
 
 
+DETECT_BITS = {"inside": 1, "enter": 2, "exit": 4}
+
+
 @dataclass
 class TenantIndex:
-    """A tenant's subscriptions on this worker: objects only ever meet their own tenant's."""
+    """A tenant's subscriptions on this worker: objects only ever meet their own tenant's.
+    Per-key arrays (detect bits, expiry) let the decisions be taken for a batch at once."""
 
     index: SubscriptionIndex
     subs: dict[int, SubInfo] = field(default_factory=dict)
     key_of: dict[str, int] = field(default_factory=dict)
+    detect: np.ndarray[Any, np.dtype[np.uint8]] = field(
+        default_factory=lambda: np.zeros(1024, dtype=np.uint8))
+    expires: np.ndarray[Any, np.dtype[np.float64]] = field(
+        default_factory=lambda: np.full(1024, np.inf))
+    ids: np.ndarray[Any, np.dtype[np.object_]] = field(
+        default_factory=lambda: np.empty(1024, dtype=object))
+
+    def put(self, key: int, info: SubInfo) -> None:
+        if key >= self.detect.size:
+            n = max(key + 1, 2 * self.detect.size)
+            self.detect = np.resize(self.detect, n)
+            self.expires = np.resize(self.expires, n)
+            self.ids = np.resize(self.ids, n)
+        self.subs[key] = info
+        self.key_of[info.id] = key
+        self.detect[key] = sum(DETECT_BITS[d] for d in info.detect)
+        self.expires[key] = np.inf if info.expires_at is None else info.expires_at
+        self.ids[key] = info.id
+
+    def drop(self, key: int) -> None:
+        info = self.subs.pop(key)
+        del self.key_of[info.id]
+        self.detect[key] = 0
 
 
 @dataclass
 class Matches:
-    """The matches decided for one batch: parallel lists."""
+    """The matches decided for one batch, parallel arrays sorted by (sub key, row, detect)."""
 
-    sub_ids: list[str] = field(default_factory=list)
-    rows: list[int] = field(default_factory=list)
-    detect: list[int] = field(default_factory=list)
+    keys: I64
+    rows: I64
+    detect: np.ndarray[Any, np.dtype[np.uint8]]
 
 
 class Executor:
@@ -79,6 +123,8 @@ class Executor:
         self.started = time.time()
         self.knn: dict[str, KnnState] = {}
         self._merge = self.redis.register_script(MERGE_SCRIPT)
+        self._history = self.redis.register_script(HISTORY_SCRIPT)
+        self.pending_history: list[tuple[str, int, list[str], list[bytes], dict[str, bytes]]] = []
 
     # --- lifecycle -----------------------------------------------------------------------
     def run(self) -> None:
@@ -276,13 +322,36 @@ class Executor:
             self._match_group(group, pipe, notify)
         for eid in ids:
             pipe.set(R.done_key(self.id, eid.decode()), b"1", ex=24 * 3600)
-        pipe.execute()
-        if notify:
-            pipe = self.redis.pipeline(transaction=False)
-            for tenant, subs in notify.items():
-                pipe.publish(R.NOTIFY_CHANNEL, orjson.dumps({"tn": tenant, "s": sorted(subs)}))
-            pipe.execute()
+        writes, self.pending_history = self.pending_history, []
+        slots = []
+        ttl = int(self.settings.history_max_age_s) + 60
+        for tenant, bucket, sub_ids, refs, _records in writes:
+            for a in range(0, len(sub_ids), HISTORY_CHUNK):
+                slots.append(len(pipe.command_stack))
+                self._history(keys=[R.history_key(s) for s in sub_ids[a:a + HISTORY_CHUNK]],
+                              args=[bucket, tenant, self.settings.history_max_len, ttl,
+                                    *refs[a:a + HISTORY_CHUNK]], client=pipe)
+        results = pipe.execute()
+        self._notify(writes, [results[i] for i in slots], notify)
         self.redis.xack(self.stream, R.GROUP, *ids)
+
+    def _notify(self, writes: list[tuple[str, int, list[str], list[bytes], dict[str, bytes]]],
+                replies: list[list[bytes]], notify: dict[str, set[str]]) -> None:
+        """Tell the hubs what was appended: the entries with their previous ids and the
+        records they reference, so caught-up clients get them without a read."""
+        pipe = self.redis.pipeline(transaction=False)
+        it = iter(replies)
+        for tenant, bucket, sub_ids, refs, records in writes:
+            entries = []
+            for a in range(0, len(sub_ids), HISTORY_CHUNK):
+                reply = next(it)
+                for j, sid in enumerate(sub_ids[a:a + HISTORY_CHUNK]):
+                    entries.append((sid, reply[2 * j], reply[2 * j + 1], refs[a + j]))
+            pipe.publish(R.NOTIFY_CHANNEL, R.pack({"tn": tenant, "b": bucket, "e": entries,
+                                                   "r": records}))
+        for tenant, subs in notify.items():
+            pipe.publish(R.NOTIFY_CHANNEL, R.pack({"tn": tenant, "s": sorted(subs)}))
+        pipe.execute()
 
     def _delivery_counts(self, ids: list[bytes]) -> dict[bytes, int]:
         if not ids:
@@ -342,9 +411,8 @@ class Executor:
             self.key_seq += 1
             key = self.key_seq
             t.index.add(sub_from_spec(key, spec))
-            t.key_of[m["id"]] = key
-            t.subs[key] = SubInfo(m["id"], spec, frozenset(spec.get("detect") or ("inside",)),
-                                  m.get("expires_at"))
+            t.put(key, SubInfo(m["id"], spec, frozenset(spec.get("detect") or ("inside",)),
+                               m.get("expires_at")))
 
     def handle_subs_removed(self, ids: list[str]) -> None:
         for state in self.knn.values():
@@ -353,10 +421,10 @@ class Executor:
                     self.redis.delete(f"gs:knn:{sid}")
         for t in self.tenants.values():
             for sid in ids:
-                key = t.key_of.pop(sid, None)
+                key = t.key_of.get(sid)
                 if key is not None:
                     t.index.remove(key)
-                    del t.subs[key]
+                    t.drop(key)
 
     # --- objects -------------------------------------------------------------------------
     def _match_group(self, group: list[dict[str, Any]], pipe: Any,
@@ -375,7 +443,7 @@ class Executor:
         if t is None or not t.subs:
             return
         matches = self.decide(t, cols, at)
-        if not matches.rows:
+        if not matches.rows.size:
             return
         self.write_matches(tenant, cols, matches, pipe, notify)
 
@@ -385,95 +453,76 @@ class Executor:
         lat = np.asarray(cols["lat"], dtype=np.float64)
         kws = cols["kw"]
         o_new, k_new = t.index.match(lon, lat, kws)
+        xo = np.asarray(cols["xo"], dtype=bool)
+        mv = np.asarray(cols["mv"], dtype=bool)
+        late = np.asarray(cols["late"], dtype=bool)
+        dx = np.asarray(cols["dx"], dtype=bool)
+        at_a = np.asarray(at, dtype=np.float64)
         # Records with a usable previous position (moving, in order): match the previous
         # position too, with the new record's keywords, to see transitions.
-        prev_rows = [i for i, (p, late) in enumerate(zip(cols["prev"], cols["late"], strict=True))
-                     if p is not None and not late]
-        if prev_rows:
-            pr = np.asarray(prev_rows, dtype=np.int64)
-            plon = np.asarray([cols["prev"][i][0] for i in prev_rows], dtype=np.float64)
-            plat = np.asarray([cols["prev"][i][1] for i in prev_rows], dtype=np.float64)
-            o_p, k_p = t.index.match(plon, plat, [kws[i] for i in prev_rows])
+        has_prev = np.fromiter((p is not None for p in cols["prev"]), dtype=bool,
+                               count=len(cols["prev"])) & ~late
+        pr = np.flatnonzero(has_prev)
+        if pr.size:
+            prev = [cols["prev"][i] for i in pr.tolist()]
+            plon = np.asarray([p[0] for p in prev], dtype=np.float64)
+            plat = np.asarray([p[1] for p in prev], dtype=np.float64)
+            o_p, k_prev = t.index.match(plon, plat, [kws[i] for i in pr.tolist()])
             o_prev = pr[o_p]
-            k_prev = k_p
         else:
-            o_prev = np.empty(0, dtype=np.int64)
-            k_prev = np.empty(0, dtype=np.int64)
+            o_prev = k_prev = np.empty(0, dtype=np.int64)
         code_new = (o_new.astype(np.int64) << 32) | k_new.astype(np.int64)
         code_prev = (o_prev.astype(np.int64) << 32) | k_prev.astype(np.int64)
-        new_was_inside = np.isin(code_new, code_prev)
-        prev_still_inside = np.isin(code_prev, code_new)
+        was_inside = np.isin(code_new, code_prev)
+        still_inside = np.isin(code_prev, code_new)
 
-        out = Matches()
-        subs = t.subs
-        xo, mv, late = cols["xo"], cols["mv"], cols["late"]
-        for o, k, was in zip(o_new.tolist(), k_new.tolist(), new_was_inside.tolist(),
-                             strict=True):
-            if xo[o]:
-                continue
-            info = subs.get(k)
-            if info is None or (info.expires_at is not None and at[o] >= info.expires_at):
-                continue
-            if "inside" in info.detect:
-                out.sub_ids.append(info.id)
-                out.rows.append(o)
-                out.detect.append(0)
-            if mv[o] and not late[o] and not was and "enter" in info.detect:
-                out.sub_ids.append(info.id)
-                out.rows.append(o)
-                out.detect.append(1)
-        dx = cols["dx"]
-        for o, k, still in zip(o_prev.tolist(), k_prev.tolist(), prev_still_inside.tolist(),
-                               strict=True):
-            if still or not dx[o]:
-                continue
-            info = subs.get(k)
-            if info is None or "exit" not in info.detect:
-                continue
-            if info.expires_at is not None and at[o] >= info.expires_at:
-                continue
-            out.sub_ids.append(info.id)
-            out.rows.append(o)
-            out.detect.append(2)
-        return out
+        det_new = t.detect[k_new]
+        live_new = (at_a[o_new] < t.expires[k_new]) & ~xo[o_new]
+        inside = live_new & ((det_new & 1) > 0)
+        enter = live_new & ((det_new & 2) > 0) & mv[o_new] & ~late[o_new] & ~was_inside
+        det_prev = t.detect[k_prev]
+        exit_ = (((det_prev & 4) > 0) & ~still_inside & dx[o_prev]
+                 & (at_a[o_prev] < t.expires[k_prev]))
+        keys = np.concatenate([k_new[inside], k_new[enter], k_prev[exit_]]).astype(np.int64)
+        rows = np.concatenate([o_new[inside], o_new[enter], o_prev[exit_]]).astype(np.int64)
+        detect = np.concatenate([np.zeros(int(inside.sum()), np.uint8),
+                                 np.ones(int(enter.sum()), np.uint8),
+                                 np.full(int(exit_.sum()), 2, np.uint8)])
+        order = np.lexsort((detect, rows, keys))
+        return Matches(keys=keys[order], rows=rows[order], detect=detect[order])
 
     def write_matches(self, tenant: str, cols: dict[str, list[Any]], m: Matches, pipe: Any,
                       notify: dict[str, set[str]]) -> None:
-        """Store each matched record once and append references to the subscriptions'
-        histories: one history entry per subscription per batch (cursor = entry id + index)."""
+        """Store each matched record once and queue one history entry per subscription for
+        the batch (cursor = entry id + index); the entries are written by HISTORY_SCRIPT in
+        `_process`, in the same transaction as the entry's done-marker."""
         bucket = int(time.time() // 30)
-        rkey = R.records_key(tenant, bucket)
-        rows = sorted(set(m.rows))
+        rows = np.unique(m.rows).tolist()
         records = {}
+        ids, lon, lat, ts, kw, txt, pr = (cols[k] for k in
+                                          ("id", "lon", "lat", "ts", "kw", "txt", "pr"))
+        rid = cols["rid"]
         for i in rows:
-            rec: dict[str, Any] = {"id": cols["id"][i], "lon": cols["lon"][i],
-                                   "lat": cols["lat"][i], "ts": cols["ts"][i],
-                                   "keywords": cols["kw"][i]}
-            if cols["txt"][i] is not None:
-                rec["text"] = cols["txt"][i]
-            if cols["pr"][i] is not None:
-                rec["props"] = cols["pr"][i]
-            records[cols["rid"][i]] = orjson.dumps(rec)
+            rec: dict[str, Any] = {"id": ids[i], "lon": lon[i], "lat": lat[i], "ts": ts[i],
+                                   "keywords": kw[i]}
+            if txt[i] is not None:
+                rec["text"] = txt[i]
+            if pr[i] is not None:
+                rec["props"] = pr[i]
+            records[rid[i]] = orjson.dumps(rec)
+        rkey = R.records_key(tenant, bucket)
         pipe.hset(rkey, mapping=records)
         pipe.expire(rkey, int(self.settings.history_max_age_s) + 90)
-        per_sub: dict[str, list[Any]] = {}
-        rid = cols["rid"]
-        for sid, o, d in zip(m.sub_ids, m.rows, m.detect, strict=True):
-            lst = per_sub.get(sid)
-            if lst is None:
-                lst = per_sub[sid] = []
-            lst.append(rid[o])
-            lst.append(d)
-        ttl = int(self.settings.history_max_age_s) + 60
-        for sid, refs in per_sub.items():
-            hk = R.history_key(sid)
-            pipe.xadd(hk, {b"b": str(bucket).encode(), b"t": tenant.encode(),
-                           b"m": R.pack(refs)},
-                      maxlen=self.settings.history_max_len, approximate=True)
-            pipe.expire(hk, ttl)
-        self.matched += len(m.rows)
-        self.touched.update(per_sub)
-        notify.setdefault(tenant, set()).update(per_sub)
+        keys, starts = np.unique(m.keys, return_index=True)
+        ends = np.append(starts[1:], m.keys.size)
+        rid_arr = np.asarray(rid, dtype=object)[m.rows]
+        t = self.tenants[tenant]
+        sub_ids = t.ids[keys].tolist()
+        refs = [R.pack([rid_arr[a:b].tolist(), m.detect[a:b].tobytes()])
+                for a, b in zip(starts.tolist(), ends.tolist(), strict=True)]
+        self.pending_history.append((tenant, bucket, sub_ids, refs, records))
+        self.matched += int(m.rows.size)
+        self.touched.update(sub_ids)
 
 
 def run_worker(settings: Settings, worker_id: str, redis_url: str) -> None:

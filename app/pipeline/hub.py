@@ -105,12 +105,11 @@ async def read_histories(redis: aioredis.Redis, positions: dict[str, Position], 
         rows = parsed[sub] = []
         for eid_b, fields in entries:
             eid = eid_b.decode()
-            refs = R.unpack(fields[b"m"]) if b"m" in fields else []
+            refs = R.unpack(fields[b"m"]) if b"m" in fields else [[], b""]
             rows.append((eid, parse_entry_id(eid), refs, fields))
             if b"b" in fields:
                 rkey = R.records_key(tenant, int(fields[b"b"])).encode()
-                wanted.setdefault(rkey, set()).update(
-                    r if isinstance(r, bytes) else r.encode() for r in refs[0::2])
+                wanted.setdefault(rkey, set()).update(r.encode() for r in refs[0])
     records: dict[bytes, dict[str, bytes | None]] = {}
     if wanted:
         pipe = redis.pipeline(transaction=False)
@@ -140,22 +139,33 @@ def render_entries(sub_id: str,
             last = (key[0], key[1], 0)
             continue
         recs = records.get(R.records_key(tenant, int(fields[b"b"])).encode(), {})
-        same = (key[0], key[1]) == (pos[0], pos[1])
-        for j in range(0, len(refs), 2):
-            idx = j // 2
-            if same and idx <= pos[2]:
-                continue
-            last = (key[0], key[1], idx)
-            rec = recs.get(refs[j])
-            if rec is None:
-                continue  # the record outlived its retention
-            cur = orjson.dumps(format_cursor(eid, idx))
-            lines.append(b'{"type":"match","subscription":' + sub_json + b',"cursor":' + cur
-                         + b',"detect":"' + DETECT_NAMES[refs[j + 1]].encode()
-                         + b'","object":' + rec + b"}")
-        if (key[0], key[1]) > (last[0], last[1]):
-            last = (key[0], key[1], max(0, len(refs) // 2 - 1))
+        lines += render_matches(sub_json, eid, refs, recs, pos[2] if (key[0], key[1]) ==
+                                (pos[0], pos[1]) else -1)
+        last = (key[0], key[1], max(0, len(refs[0]) - 1))
     return HistoryBatch(lines=lines, position=last, full=len(parsed) >= count)
+
+
+def render_matches(sub_json: bytes, eid: str, refs: list[Any], recs: dict[str, bytes | None],
+                   after: int = -1) -> list[bytes]:
+    """The match messages of one history entry (references [record ids, detect codes]),
+    skipping indexes up to `after`."""
+    rids, codes = refs
+    lines = []
+    prefix = b'{"type":"match","subscription":' + sub_json + b',"cursor":"' + eid.encode()
+    for idx in range(after + 1, len(rids)):
+        rec = recs.get(rids[idx])
+        if rec is None:
+            continue  # the record outlived its retention
+        lines.append(prefix + b":" + str(idx).encode() + b'","detect":"'
+                     + DETECT_NAMES[codes[idx]].encode() + b'","object":' + rec + b"}")
+    return lines
+
+
+def caught_up(pos: Position, prev: tuple[int, int], key: tuple[int, int]) -> bool:
+    """Whether a connection at `pos` has everything up to `prev`, the entry before `key`."""
+    if pos[1] == MAX_SEQ:  # a start position: everything from server time pos[0] + 1 on
+        return prev < (pos[0] + 1, 0) <= key
+    return (pos[0], pos[1]) == prev
 
 
 async def history_gap(redis: aioredis.Redis, sub_id: str, pos: Position,
@@ -236,7 +246,11 @@ class Hub:
                         if self.state.router is not None:
                             await self.state.router.refresh()
                         continue
-                    self._dispatch(msg["channel"], orjson.loads(msg["data"]))
+                    data = msg["data"]
+                    if msg["channel"] == R.NOTIFY_CHANNEL.encode():
+                        self._dispatch(msg["channel"], R.unpack(data))
+                    else:
+                        self._dispatch(msg["channel"], orjson.loads(data))
             except asyncio.CancelledError:
                 raise
             except (redis.exceptions.RedisError, OSError) as exc:
@@ -246,6 +260,9 @@ class Hub:
     def _dispatch(self, channel: bytes, data: dict[str, Any]) -> None:
         ch = channel.decode()
         if ch == R.NOTIFY_CHANNEL:
+            if "e" in data:
+                self._push(data)
+                return
             subs = data["s"]
             for sub in subs:
                 for conn in self.by_sub.get(sub, ()):
@@ -265,6 +282,42 @@ class Hub:
                     conn.outbox.append(orjson.dumps({"type": "expired", "subscription": sub}))
                     self.unlisten(conn, [sub])
                     conn.wake.set()
+
+    def _push(self, data: dict[str, Any]) -> None:
+        """New history entries, pushed by a worker with the id of the entry before each: a
+        connection whose position is exactly there gets the entry from memory; any other
+        reads the history stream (its pump), so nothing is skipped or sent twice."""
+        tenant = data["tn"]
+        records: dict[str, bytes] = data["r"]
+        all_conns = self.all_by_tenant.get(tenant, ())
+        limit = self.settings.ws_queue_max
+        for sub, prev_b, eid_b, packed in data["e"]:
+            conns = self.by_sub.get(sub)
+            if not conns and not all_conns:
+                continue
+            prev = parse_entry_id(prev_b.decode() if isinstance(prev_b, bytes) else prev_b)
+            eid = eid_b.decode() if isinstance(eid_b, bytes) else eid_b
+            key = parse_entry_id(eid)
+            lines: list[bytes] | None = None
+            for conn in (*(conns or ()), *all_conns):
+                pos = conn.positions.get(sub)
+                if pos is None:
+                    if conn.listen_all_from is None or conn.closed is not None:
+                        continue
+                    pos = conn.listen_all_from
+                    self.listen(conn, {sub: pos})
+                if (pos[0], pos[1]) >= key:
+                    continue  # already delivered by the pump
+                if not caught_up(pos, prev, key):
+                    conn.mark((sub,))
+                    continue
+                if lines is None:
+                    lines = render_matches(orjson.dumps(sub), eid, R.unpack(packed), records)
+                conn.positions[sub] = (key[0], key[1], max(0, len(lines) - 1))
+                conn.outbox.extend(lines)
+                if len(conn.outbox) > limit:
+                    conn.close_soon(1013, "client cannot keep up; resume with the last cursor")
+                conn.wake.set()
 
     async def key_revoked(self, key_id: str) -> None:
         await self.redis.publish(R.REVOKED_CHANNEL, orjson.dumps({"key": key_id}))
@@ -339,8 +392,8 @@ class Hub:
             batches = await read_histories(self.redis, positions, min(256, budget), tenant)
             lines: list[bytes] = []
             for sub, batch in batches.items():
-                if sub not in conn.positions:
-                    continue  # unlistened meanwhile
+                if conn.positions.get(sub) != positions[sub]:
+                    continue  # unlistened, or a push advanced it meanwhile
                 lines += batch.lines
                 conn.positions[sub] = batch.position
                 if batch.full:
