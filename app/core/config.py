@@ -48,6 +48,7 @@ class Settings(BaseSettings):
     history_max_age_s: float = 120.0
     ws_queue_max: int = 10_000
     ws_ping_s: float = 20.0
+    ws_max_lag_s: float = 60.0  # a client this far behind the newest matches is closed (1013)
     ws_send_timeout_s: float = 10.0  # a frame not taken within this closes the socket (1013)
     ws_max_message_bytes: int = 64 * 1024
     ws_allowed_origins: Annotated[list[str], NoDecode] = []  # empty: any Origin

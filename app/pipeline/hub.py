@@ -299,6 +299,7 @@ class Hub:
             eid = eid_b.decode() if isinstance(eid_b, bytes) else eid_b
             key = parse_entry_id(eid)
             lines: list[bytes] | None = None
+            last_index = 0
             for conn in (*(conns or ()), *all_conns):
                 pos = conn.positions.get(sub)
                 if pos is None:
@@ -312,11 +313,16 @@ class Hub:
                     conn.mark((sub,))
                     continue
                 if lines is None:
-                    lines = render_matches(orjson.dumps(sub), eid, R.unpack(packed), records)
-                conn.positions[sub] = (key[0], key[1], max(0, len(lines) - 1))
+                    refs = R.unpack(packed)
+                    lines = render_matches(orjson.dumps(sub), eid, refs, records)
+                    last_index = max(0, len(refs[0]) - 1)
+                if len(conn.outbox) + len(lines) > limit:
+                    # The in-memory queue is full: this client reads from the history
+                    # stream at its own pace instead (and is closed if it falls too far).
+                    conn.mark((sub,))
+                    continue
+                conn.positions[sub] = (key[0], key[1], last_index)
                 conn.outbox.extend(lines)
-                if len(conn.outbox) > limit:
-                    conn.close_soon(1013, "client cannot keep up; resume with the last cursor")
                 conn.wake.set()
 
     async def key_revoked(self, key_id: str) -> None:
@@ -352,6 +358,10 @@ class Hub:
                 listeners.discard(conn)
                 if not listeners:
                     del self.by_sub[sub]
+
+    async def lagging(self, position_ms: int) -> bool:
+        """A connection still delivering entries older than ws_max_lag_s cannot keep up."""
+        return position_ms < (await self.server_ms()) - self.settings.ws_max_lag_s * 1000
 
     async def server_ms(self) -> int:
         sec, usec = await self.redis.time()
@@ -389,6 +399,11 @@ class Hub:
                          if sub in conn.positions}
             if not positions:
                 continue
+            oldest = min(p[0] for p in positions.values() if p[1] != MAX_SEQ) if any(
+                p[1] != MAX_SEQ for p in positions.values()) else None
+            if oldest is not None and await self.lagging(oldest):
+                conn.close_soon(1013, "client cannot keep up; resume with the last cursor")
+                return
             batches = await read_histories(self.redis, positions, min(256, budget), tenant)
             lines: list[bytes] = []
             for sub, batch in batches.items():
