@@ -76,19 +76,21 @@ def api(
     host: Annotated[str | None, typer.Option(help="bind address")] = None,
     port: Annotated[int | None, typer.Option(help="port")] = None,
     migrate_db: Annotated[bool, typer.Option("--migrate/--no-migrate")] = True,
+    processes: Annotated[int, typer.Option(help="api processes sharing the port")] = 1,
 ) -> None:
-    """Run one api process (FastAPI under uvicorn): router, WebSocket hub, HTTP API."""
+    """Run the api (FastAPI under uvicorn): router, WebSocket hub, HTTP API. With
+    --processes N, N processes share the listening socket (each with its own hub)."""
     import uvicorn
 
     from app.core.migrate import upgrade_head
-    from app.main import create_app
 
     _logging()
     settings = get_settings()
     if migrate_db:
         upgrade_head(settings)
     uvicorn.run(
-        create_app(settings), host=host or settings.host, port=port or settings.port,
+        "app.main:create_app", factory=True, workers=processes if processes > 1 else None,
+        host=host or settings.host, port=port or settings.port,
         log_level="warning", ws_max_size=settings.ws_max_message_bytes,
         ws_ping_interval=settings.ws_ping_s, ws_ping_timeout=settings.ws_ping_s,
         timeout_graceful_shutdown=5,
@@ -215,6 +217,7 @@ def dev(
     host: Annotated[str, typer.Option(help="bind address")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="HTTP port")] = 8000,
     workers: Annotated[int, typer.Option(help="executor worker processes")] = 2,
+    api_processes: Annotated[int, typer.Option(help="api processes sharing the port")] = 1,
 ) -> None:
     """The whole system on embedded defaults: Redis, SQLite, api, workers."""
     import asyncio
@@ -258,7 +261,8 @@ def dev(
         pool = Pool(env)
         for name in names:
             pool.spawn(name, [*exe, "worker", "--id", name])
-        pool.spawn("api", [*exe, "api", "--host", host, "--port", str(port), "--no-migrate"])
+        pool.spawn("api", [*exe, "api", "--host", host, "--port", str(port), "--no-migrate",
+                           "--processes", str(api_processes)])
         base = f"http://{host}:{port}"
         if _wait_ready(base):
             where = f" (embedded, AOF in {settings.data_dir / 'redis'})" if server else ""

@@ -32,6 +32,7 @@ class LiveServer:
     admin_key: str = BOOTSTRAP
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     log_dir: Path = Path(".")
+    redis_pid: int | None = None
 
     def admin(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.admin_key}"}
@@ -91,7 +92,7 @@ def own_database(redis_url: str) -> str:
 
 
 def start_server(tmp: Path, redis_url: str, database_url: str | None = None, workers: int = 2,
-                 **env_overrides: str) -> LiveServer:
+                 api_processes: int = 1, **env_overrides: str) -> LiveServer:
     redis_url = own_database(redis_url)
     client = redis.Redis.from_url(redis_url)
     client.flushdb()
@@ -114,7 +115,8 @@ def start_server(tmp: Path, redis_url: str, database_url: str | None = None, wor
                    capture_output=True)
     for i in range(workers):
         server.start_worker(f"w{i}")
-    server.spawn("api", ["api", "--port", str(port), "--no-migrate"])
+    server.spawn("api", ["api", "--port", str(port), "--no-migrate",
+                         "--processes", str(api_processes)])
     deadline = time.monotonic() + 60
     while True:
         try:

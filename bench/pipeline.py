@@ -19,6 +19,7 @@ from typing import Any
 import httpx
 import numpy as np
 import orjson
+import psutil
 import websockets
 
 from app.core.config import Settings
@@ -36,6 +37,26 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     "latency": {"subs": {"keyword_fraction": 0.97, "keyword_only_fraction": 0.02,
                          "circle_fraction": 0.2, "all_fraction": 0.3}, "rate": 10_000},
 }
+
+
+def cpu_seconds(server: LiveServer) -> dict[str, float]:
+    """CPU time used so far by each server process, Redis and this benchmark client."""
+    out: dict[str, float] = {}
+    procs = {name: psutil.Process(p.pid) for name, p in server.procs.items()}
+    procs["bench-client"] = psutil.Process()
+    if server.redis_pid:
+        procs["redis"] = psutil.Process(server.redis_pid)
+    for name, proc in procs.items():
+        try:
+            total = 0.0
+            kids = proc.children(recursive=True) if name == "api" else []  # uvicorn workers
+            for q in (proc, *kids):
+                t = q.cpu_times()
+                total += t.user + t.system
+            out[name] = total
+        except psutil.Error:
+            pass
+    return out
 
 
 def expected_pairs(specs: list[dict[str, Any]], objs: dict[str, Any]) -> set[tuple[int, int]]:
@@ -106,6 +127,7 @@ async def drive(server: LiveServer, scenario: str, n_subs: int, n_objects: int, 
                 r.raise_for_status()
                 obj_ids[start:start + batch] = r.json()["ids"]
 
+        cpu0 = cpu_seconds(server)
         t_pub = time.perf_counter()
         tasks = []
         for j, start in enumerate(range(0, n_objects, batch)):
@@ -120,6 +142,7 @@ async def drive(server: LiveServer, scenario: str, n_subs: int, n_objects: int, 
         while len(receiver.pairs) < len(expected) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         done_s = time.perf_counter() - t_pub
+        cpu = {k: round(v - cpu0.get(k, 0.0), 1) for k, v in cpu_seconds(server).items()}
         await asyncio.sleep(1.0)  # duplicates or extras would arrive now
         receiver.task.cancel()
     want = {(sub_ids[k], obj_ids[o]) for k, o in expected}
@@ -141,19 +164,21 @@ async def drive(server: LiveServer, scenario: str, n_subs: int, n_objects: int, 
         "latency_ms_p50": round(pct(0.50), 1), "latency_ms_p95": round(pct(0.95), 1),
         "latency_ms_p99": round(pct(0.99), 1),
         "latency_ms_mean": round(statistics.fmean(lat_ms), 1) if lat_ms else None,
+        "cpu_seconds": cpu, "wall_seconds": round(done_s, 1),
     }
 
 
 def run(scenario: str = "selective", subs: int = 100_000, objects: int = 500_000,
         batch: int = 2_000, rate: float | None = None, workers: int = 2, seed: int = 1,
-        concurrency: int = 4) -> dict[str, Any]:
+        concurrency: int = 4, api_processes: int = 1) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="geoswarm-bench-"))
     redis_server = start_embedded_redis(Settings(data_dir=tmp / "redis"))
-    server = start_server(tmp, redis_server.url, workers=workers,
+    server = start_server(tmp, redis_server.url, workers=workers, api_processes=api_processes,
                           GEOSWARM_RATE_LIMIT_PER_S="0", GEOSWARM_WINDOW_S="120",
                           GEOSWARM_MAX_BATCH="10000")
     try:
         server.wait_workers(workers)
+        server.redis_pid = redis_server.process.pid
         rate = rate if rate is not None else SCENARIOS[scenario]["rate"]
         return asyncio.run(drive(server, scenario, subs, objects, batch, rate, seed,
                                  concurrency))
@@ -173,8 +198,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--concurrency", type=int, default=4, help="publish requests in flight")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--api-processes", type=int, default=1)
     a = ap.parse_args(argv)
-    out = run(a.scenario, a.subs, a.objects, a.batch, a.rate, a.workers, a.seed, a.concurrency)
+    out = run(a.scenario, a.subs, a.objects, a.batch, a.rate, a.workers, a.seed, a.concurrency,
+              a.api_processes)
     width = max(len(k) for k in out)
     for k, v in out.items():
         print(f"{k:<{width}}  {v}")

@@ -46,7 +46,7 @@ class Settings(BaseSettings):
     rate_limit_per_s: int = 2_000  # requests per key per second, 0 disables
     history_max_len: int = 1_000
     history_max_age_s: float = 120.0
-    ws_queue_max: int = 10_000
+    ws_queue_max: int = 50_000
     ws_ping_s: float = 20.0
     ws_max_lag_s: float = 60.0  # a client this far behind the newest matches is closed (1013)
     ws_send_timeout_s: float = 10.0  # a frame not taken within this closes the socket (1013)

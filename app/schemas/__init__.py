@@ -38,11 +38,9 @@ class ObjectIn(Strict):
     text: Annotated[str, StringConstraints(max_length=2000, strict=True)] | None = None
     keywords: Annotated[list[Keyword], Field(max_length=64)] | None = None
     props: dict[str, Any] | None = None
-
-    @field_validator("keywords")
-    @classmethod
-    def _lower(cls, v: list[str] | None) -> list[str] | None:
-        return None if v is None else normalize_keywords(v)
+    # Keywords are lower-cased and de-duplicated with the text's tokens in one pass when the
+    # batch becomes records (routes/objects.py): a per-object validator here cost half of
+    # the publish path's time.
 
     @field_validator("props")
     @classmethod

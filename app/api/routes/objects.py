@@ -95,10 +95,12 @@ def to_records(objs: list[ObjectIn], tenant: str, now: float) -> RecordBatch:
     for o in objs:
         moving.append(o.id is not None)
         ids.append(o.id if o.id is not None else next(event_ids))
-        kws = o.keywords or []
+        kws = o.keywords
         if o.text:
-            kws = normalize_keywords([*kws, *tokenize(o.text)])
-        keywords.append(kws)
+            kws = normalize_keywords([*(kws or ()), *tokenize(o.text)])
+        elif kws:
+            kws = normalize_keywords(kws)
+        keywords.append(kws or [])
     return RecordBatch(
         tenant=tenant,
         ids=ids,
