@@ -237,14 +237,12 @@ class Executor:
         self.redis.hset(R.WORKERS_KEY, self.id, orjson.dumps(info))
 
     def _heartbeat_loop(self) -> None:
-        client = redis.Redis(connection_pool=self.redis.connection_pool)
         while not self.stopping:
             try:
                 self._heartbeat()
             except redis.RedisError:
-                pass
+                pass  # the main loop reports Redis outages; the next beat retries
             time.sleep(self.settings.worker_heartbeat_s)
-        del client
 
     # --- the stream ----------------------------------------------------------------------
     def _recover_pending(self) -> None:

@@ -1,4 +1,4 @@
-"""SQLAlchemy models: tenants, API keys (hashes only), subscriptions, balancer rounds."""
+"""SQLAlchemy models: tenants, API keys (hashes only), subscriptions."""
 
 from __future__ import annotations
 
