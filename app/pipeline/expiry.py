@@ -12,6 +12,7 @@ from starlette.concurrency import run_in_threadpool
 
 from app.api.deps import AppState
 from app.core.db import session_scope
+from app.core.metrics import SUBSCRIPTIONS_DELETED
 from app.models import Subscription
 from app.services import subscriptions as sub_service
 
@@ -30,6 +31,7 @@ async def expire_once(state: AppState) -> int:
         rows = await run_in_threadpool(pop)
         if rows and state.router is not None:
             await state.router.remove_subscriptions(rows, reason="expired")
+            SUBSCRIPTIONS_DELETED.labels("expired").inc(len(rows))
         return len(rows)
     finally:
         await state.redis.delete(LOCK)

@@ -19,6 +19,7 @@ import orjson
 import redis.asyncio as aioredis
 import redis.exceptions
 
+from app.core.metrics import WS_CLOSED, WS_CONNECTIONS, WS_MESSAGES
 from app.pipeline import records as R
 
 if TYPE_CHECKING:
@@ -323,6 +324,7 @@ class Hub:
                     continue
                 conn.positions[sub] = (key[0], key[1], last_index)
                 conn.outbox.extend(lines)
+                WS_MESSAGES.labels("push").inc(len(lines))
                 conn.wake.set()
 
     async def key_revoked(self, key_id: str) -> None:
@@ -331,9 +333,13 @@ class Hub:
     # --- listening ----------------------------------------------------------------------
     def register(self, conn: Connection) -> None:
         self.conns.add(conn)
+        WS_CONNECTIONS.set(len(self.conns))
 
     def unregister(self, conn: Connection) -> None:
         self.conns.discard(conn)
+        WS_CONNECTIONS.set(len(self.conns))
+        if conn.closed is not None and conn.closed[0] != 1000:
+            WS_CLOSED.labels(str(conn.closed[0])).inc()
         self.unlisten(conn, list(conn.positions))
         if conn.listen_all_from is not None:
             self.all_by_tenant.get(conn.principal.tenant, set()).discard(conn)
@@ -414,6 +420,7 @@ class Hub:
                 if batch.full:
                     conn.mark((sub,))
             if lines:
+                WS_MESSAGES.labels("read").inc(len(lines))
                 await self._send(conn, lines)
 
     async def _send(self, conn: Connection, lines: list[bytes]) -> None:

@@ -13,6 +13,7 @@ from typing import Any
 from starlette.concurrency import run_in_threadpool
 
 from app.api.deps import AppState, require_plan
+from app.core.metrics import SUBSCRIPTIONS_CREATED, SUBSCRIPTIONS_DELETED
 from app.models import Subscription
 
 
@@ -36,6 +37,10 @@ async def apply_with_pipeline(
                 undo = router.remove_subscriptions if added else router.add_subscriptions
                 await undo(rows)
             raise
+        if added:
+            SUBSCRIPTIONS_CREATED.inc(len(rows))
+        else:
+            SUBSCRIPTIONS_DELETED.labels("deleted").inc(len(rows))
         return rows
     except BaseException:
         await run_in_threadpool(session.rollback)

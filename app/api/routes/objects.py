@@ -12,6 +12,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from app.api.deps import StateDep, StrictJSONRoute, TenantDep, require_plan
 from app.core.errors import BadRequest, NotFound, PayloadTooLarge
+from app.core.metrics import OBJECTS_ACCEPTED, PUBLISH_SECONDS
 from app.geo.tokenize import normalize_keywords, tokenize
 from app.pipeline.records import RecordBatch, new_event_ids
 from app.schemas import ObjectBatch, ObjectIn, ObjectOut, ObjectsAccepted
@@ -118,12 +119,15 @@ def to_records(objs: list[ObjectIn], tenant: str, now: float) -> RecordBatch:
 @router.post("", status_code=202, response_model=ObjectsAccepted, openapi_extra=_BODY_DOC)
 async def publish(request: Request, state: StateDep, principal: TenantDep) -> ObjectsAccepted:
     """Publish a batch of objects; 202 once the whole batch is durably queued."""
+    started = time.perf_counter()
     body = await request.body()
     objs = parse_objects(body, request.headers.get("content-type", ""), state.settings.max_batch)
     batch = to_records(objs, principal.tenant, time.time())
     await require_plan(state)
     assert state.router is not None
     await state.router.publish(batch)
+    OBJECTS_ACCEPTED.inc(batch.size)
+    PUBLISH_SECONDS.observe(time.perf_counter() - started)
     return ObjectsAccepted(accepted=batch.size, ids=batch.ids)
 
 
