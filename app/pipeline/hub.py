@@ -377,7 +377,9 @@ class Hub:
     async def pump(self, conn: Connection) -> None:
         """Send this connection's pending history, frames of many messages, until closed."""
         s = self.settings
-        poll = 5.0
+        # Notifications are at-most-once; a lost pub/sub connection already marks everything on
+        # reconnect, so this poll is only a rare safety net (cheap for small listeners).
+        poll = 30.0
         while conn.closed is None:
             try:
                 await asyncio.wait_for(conn.wake.wait(), timeout=poll)
