@@ -8,7 +8,7 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -198,17 +198,21 @@ def _dev_admin_key(settings: Settings) -> str:
         engine.dispose()
 
 
-def _wait_ready(url: str, timeout: float = 60.0) -> bool:
+def wait_until_ok(url: str, process: subprocess.Popen[Any] | None = None,
+                  timeout: float = 60.0) -> bool:
+    """Poll `url` until it answers 200; False on timeout or when `process` has exited."""
     import httpx
 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
-            if httpx.get(url + "/readyz", timeout=2).status_code == 200:
+            if httpx.get(url, timeout=2).status_code == 200:
                 return True
         except httpx.HTTPError:
             pass
-        time.sleep(0.2)
+        if process is not None and process.poll() is not None:
+            return False
+        time.sleep(0.1)
     return False
 
 
@@ -264,7 +268,7 @@ def dev(
         pool.spawn("api", [*exe, "api", "--host", host, "--port", str(port), "--no-migrate",
                            "--processes", str(api_processes)])
         base = f"http://{host}:{port}"
-        if _wait_ready(base):
+        if wait_until_ok(base + "/readyz"):
             where = f" (embedded, AOF in {settings.data_dir / 'redis'})" if server else ""
             typer.echo(f"\ngeoswarm is running at {base}\n  API docs:  {base}/docs\n"
                        f"  admin key: {key}\n  redis:     {url}{where}\nStop with Ctrl-C.\n")

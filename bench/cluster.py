@@ -15,6 +15,7 @@ from pathlib import Path
 import httpx
 import redis
 
+from app.cli import wait_until_ok
 from app.core.redis import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -117,15 +118,7 @@ def start_server(tmp: Path, redis_url: str, database_url: str | None = None, wor
         server.start_worker(f"w{i}")
     server.spawn("api", ["api", "--port", str(port), "--no-migrate",
                          "--processes", str(api_processes)])
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            if httpx.get(server.base_url + "/readyz", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if server.procs["api"].poll() is not None or time.monotonic() > deadline:
-            server.stop()
-            raise RuntimeError("api did not become ready:\n" + (tmp / "api.log").read_text())
-        time.sleep(0.1)
+    if not wait_until_ok(server.base_url + "/readyz", server.procs["api"]):
+        server.stop()
+        raise RuntimeError("api did not become ready:\n" + (tmp / "api.log").read_text())
     return server

@@ -54,7 +54,6 @@ I64 = np.ndarray[Any, np.dtype[np.int64]]
 @dataclass
 class SubInfo:
     id: str
-    spec: dict[str, Any]
     detect: frozenset[str]
     expires_at: float | None
 
@@ -409,7 +408,7 @@ class Executor:
             self.key_seq += 1
             key = self.key_seq
             t.index.add(sub_from_spec(key, spec))
-            t.put(key, SubInfo(m["id"], spec, frozenset(spec.get("detect") or ("inside",)),
+            t.put(key, SubInfo(m["id"], frozenset(spec.get("detect") or ("inside",)),
                                m.get("expires_at")))
 
     def handle_subs_removed(self, ids: list[str]) -> None:

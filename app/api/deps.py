@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Coroutine, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated, Any
 
 import orjson
@@ -34,7 +34,6 @@ class AppState:
     redis_url: str
     router: Router | None = None
     hub: Hub | None = None
-    extras: dict[str, Any] = field(default_factory=dict)
 
 
 class StrictJSONRequest(Request):

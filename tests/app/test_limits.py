@@ -15,6 +15,7 @@ import httpx
 import orjson
 import pytest
 
+from app.cli import wait_until_ok
 from app.core.config import Settings
 from app.core.redis import EmbeddedRedis, free_port, start_embedded_redis
 from tests.app.httpapi import JSON, NDJSON, WORLD, Api, check
@@ -274,16 +275,8 @@ def test_database_down_is_503_never_500(tmp_path: Path) -> None:
                    redis_url=redis_server.url, env=env, log_dir=tmp_path)
     s.spawn("api", ["api", "--port", str(port), "--no-migrate"])
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(s.base_url + "/healthz", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert s.procs["api"].poll() is None, (tmp_path / "api.log").read_text()
-            assert time.monotonic() < deadline, "api did not start"
-            time.sleep(0.1)
+        assert wait_until_ok(s.base_url + "/healthz", s.procs["api"]), (
+            (tmp_path / "api.log").read_text())
         r = httpx.get(s.base_url + "/readyz", timeout=30)
         assert r.status_code == 503, r.text
         assert r.headers["retry-after"].isdigit()

@@ -14,6 +14,7 @@ import httpx
 import psutil
 import pytest
 
+from app.cli import wait_until_ok
 from app.core.redis import free_port
 from tests.conftest import ROOT, auth
 
@@ -29,16 +30,8 @@ def test_geoswarm_dev_end_to_end(tmp_path: Path) -> None:
                            stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            try:
-                if httpx.get(base + "/readyz", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert dev.poll() is None, dev.stdout.read() if dev.stdout else ""
-            assert time.monotonic() < deadline, "geoswarm dev did not become ready"
-            time.sleep(0.2)
+        assert wait_until_ok(base + "/readyz", dev, timeout=90), (
+            dev.stdout.read() if dev.stdout and dev.poll() is not None else "not ready in 90 s")
         key = subprocess.run([sys.executable, "-m", "app.cli", "keys", "create", "--tenant",
                               "acme"], env=env, cwd=ROOT, capture_output=True, text=True,
                              check=True).stdout.strip().splitlines()[-1]
