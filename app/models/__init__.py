@@ -54,3 +54,25 @@ class Subscription(CreatedAtMixin, Model):
     type: Mapped[str] = mapped_column(String(16), nullable=False)
     spec: Mapped[dict[str, object]] = mapped_column(JSON, nullable=False)
     expires_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+
+
+class BalancerRound(Model):
+    """One SWARM load-balancing round (§4.3.1) or manual rebalance, as the coordinator ran it."""
+
+    __tablename__ = "balancer_rounds"
+    __table_args__ = (Index("ix_balancer_rounds_started_at", "started_at"),)
+
+    seq: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    round: Mapped[int] = mapped_column(Integer, nullable=False)
+    started_at: Mapped[float] = mapped_column(Float, nullable=False)
+    kind: Mapped[str] = mapped_column(String(16), nullable=False)  # auto | manual
+    r_s: Mapped[float] = mapped_column(Float, nullable=False)  # R(S)
+    costs: Mapped[dict[str, object]] = mapped_column(JSON, nullable=False)  # worker -> C(m)
+    stage: Mapped[str] = mapped_column(String(16), nullable=False)
+    decision: Mapped[str] = mapped_column(String(16), nullable=False)  # nothing | rebalance
+    mh: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    ml: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    action: Mapped[str] = mapped_column(String(16), nullable=False)  # none|move|split|merge
+    details: Mapped[dict[str, object]] = mapped_column(JSON, nullable=False)
+    plan_version: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    duration_ms: Mapped[float] = mapped_column(Float, nullable=False)
