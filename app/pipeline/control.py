@@ -23,6 +23,12 @@ command whose version is no longer current or whose `deadline` (unix time) has p
 worker paused through a round never executes a stale decision. Replies are JSON pushed to the
 list `reply_key(token)`; the sender BLPOPs it.
 
+Admin requests (the API → the leader coordinator): JSON pushed to `REQUESTS_KEY`:
+`{"id": token, "kind": "round"}`, `{"id", "kind": "move", "partition", "to"}`,
+`{"id", "kind": "split", "partition", "axis", "at"}`. The coordinator answers on
+`reply_key(token)` with JSON `{"status": 202, "round", "action", "details"}` or
+`{"status": 404|409|422|503, "error": "..."}`.
+
 A worker's report (JSON): `{"worker", "round", "at", "num": Num(C(m)), "R": R(m), "partitions":
 [{"id", "N", "Q", "R", "num"}]}`; C(p) = num / R(S), R(S) = sum of the reports' R.
 
@@ -42,6 +48,7 @@ REQUESTS_KEY = "gs:coord:requests"  # list: admin requests for the coordinator (
 BALANCER_CONFIG = "gs:balancer:config"  # JSON {"enabled", "period_s", "beta"}
 BALANCER_STATE = "gs:balancer:state"  # JSON: decision pointer, last round, costs
 STATS_KEY = "gs:stats"  # hash worker -> its latest report (JSON)
+ROUND_SEQ = "gs:balancer:round"  # counter of rounds (automatic and manual)
 PART_SEQ = "gs:partition:seq"  # counter for new partition ids "p<n>"
 PLAN_HISTORY = "gs:plan:history"  # list of JSON {"version", "valid_from", "plan"}
 PLAN_HISTORY_MAX = 1000
@@ -87,7 +94,7 @@ return 1
 def history_entry(plan_json: str, version: int, now: float) -> str:
     """One plan-history element: the plan and when it became valid (SSTD's versioned mapping,
     SWARM §5.2's partition chains: snapshot queries find data written under older plans)."""
-    return '{"version":%d,"valid_from":%r,"plan":%s}' % (version, now, plan_json)
+    return f'{{"version":{version},"valid_from":{now!r},"plan":{plan_json}}}'
 
 
 def plan_cas_args(expected: int, plan_json: str, version: int, now: float, channel: str,
