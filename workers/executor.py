@@ -12,6 +12,7 @@ import signal
 import socket
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,8 +22,12 @@ import redis
 
 from app.core.config import Settings
 from app.core.db import make_engine, make_sessionmaker
-from app.geo.index import GlobalIndex, Plan
+from app.geo import balance
+from app.geo.geometry import circle_bbox
+from app.geo.index import GlobalIndex, Partition, Plan
 from app.geo.matcher import SubscriptionIndex, sub_from_spec
+from app.geo.stats import PartitionStats
+from app.pipeline import control as C
 from app.pipeline import records as R
 from app.pipeline.router import targets_for_spec
 from app.services.subscriptions import all_live
@@ -48,7 +53,25 @@ end
 return out
 """
 HISTORY_CHUNK = 4096  # history entries per script call (bounds the time Redis is busy)
+TOMBSTONE_S = 6 * 3600.0  # how long a deleted subscription id is remembered (late sub+ copies)
 I64 = np.ndarray[Any, np.dtype[np.int64]]
+I32 = np.ndarray[Any, np.dtype[np.int32]]
+Rect = tuple[int, int, int, int]
+
+
+class CommandRefused(Exception):
+    """A balancing command that is stale (plan changed, deadline passed) or invalid."""
+
+
+@dataclass
+class WindowPiece:
+    """The cells of the objects of one batch still in the window, for SWARM's N: expired
+    objects decrement N (§4.2.2), and a new partition is seeded with its cells' objects."""
+
+    bucket: int
+    arrived: int  # the worker's fold count when they arrived
+    cx: I32
+    cy: I32
 
 
 @dataclass
@@ -124,6 +147,20 @@ class Executor:
         self._merge = self.redis.register_script(MERGE_SCRIPT)
         self._history = self.redis.register_script(HISTORY_SCRIPT)
         self.pending_history: list[tuple[str, int, list[str], list[bytes], dict[str, bytes]]] = []
+        # SWARM load balancing (§4.2-§5).
+        self.cmd_stream = C.command_stream(worker_id)
+        self.replicated = settings.partitioning == "replicated"
+        self._cas = self.redis.register_script(C.PLAN_CAS_SCRIPT)
+        self.stats: dict[str, PartitionStats] = {}
+        self.folds = 0  # rounds folded; arrival rounds are counted in this
+        self.window: deque[WindowPiece] = deque()
+        self.sub_msgs: dict[str, dict[str, Any]] = {}  # sub id -> its sub+ message
+        self.sub_rect: dict[str, Rect] = {}  # sub id -> cell rectangle it covers
+        self.sub_parts: dict[str, list[tuple[PartitionStats, int]]] = {}
+        self.tombstones: dict[str, float] = {}
+        self.round_received = 0  # objects and subscriptions this round (replicated mode's R)
+        self.forwarded = 0
+        self.owned_ids: list[str] = []  # for the heartbeat thread (never mutated in place)
 
     # --- lifecycle -----------------------------------------------------------------------
     def run(self) -> None:
@@ -131,6 +168,7 @@ class Executor:
         signal.signal(signal.SIGINT, self._on_signal)
         self._ensure_group()
         self._load_plan()
+        self._sync_stats()
         self._rebuild_positions()
         self._rebuild_subscriptions()
         self._heartbeat()
@@ -158,21 +196,27 @@ class Executor:
             os._exit(1)
 
     def _ensure_group(self) -> None:
-        try:
-            self.redis.xgroup_create(self.stream, R.GROUP, id="0", mkstream=True)
-        except redis.ResponseError as exc:
-            if "BUSYGROUP" not in str(exc):
-                raise
+        for stream in (self.stream, self.cmd_stream):
+            try:
+                self.redis.xgroup_create(stream, R.GROUP, id="0", mkstream=True)
+            except redis.ResponseError as exc:
+                if "BUSYGROUP" not in str(exc):
+                    raise
 
     def _load_plan(self) -> None:
         while not self.stopping:
             raw = self.redis.get(R.PLAN_KEY)
             if raw is not None:
                 plan = Plan.from_json(raw)
-                if self.index is None or plan.version != self.index.plan.version:
+                if self.index is None or plan.version > self.index.plan.version:
                     self.index = GlobalIndex(plan)
                 return
             time.sleep(0.2)
+
+    @property
+    def version(self) -> int:
+        assert self.index is not None
+        return self.index.plan.version
 
     def _rebuild_subscriptions(self) -> None:
         """Rebuild this worker's subscriptions from SQL (stream replay covers later changes)."""
@@ -232,6 +276,7 @@ class Executor:
             "matched": self.matched,
             "subscriptions": sum(len(t.subs) for t in self.tenants.values()),
             "plan_version": self.index.plan.version if self.index else None,
+            "partitions": self.owned_ids, "forwarded": self.forwarded, "folds": self.folds,
         }
         self.redis.hset(R.WORKERS_KEY, self.id, orjson.dumps(info))
 
@@ -247,7 +292,14 @@ class Executor:
     def _recover_pending(self) -> None:
         """Reclaim entries left pending by an earlier incarnation (XAUTOCLAIM) and process
         them, skipping those whose matches were already written and dead-lettering entries
-        delivered too often."""
+        delivered too often. Commands pending from before a crash are dropped: their sender
+        has timed out and decided without this worker."""
+        while True:
+            reply = self.redis.xreadgroup(R.GROUP, self.id, {self.cmd_stream: "0"}, count=500)
+            stale = [e[0] for e in (reply[0][1] if reply else [])]
+            if not stale:
+                break
+            self.redis.xack(self.cmd_stream, R.GROUP, *stale)
         start = "0-0"
         while True:
             reply = self.redis.xautoclaim(self.stream, R.GROUP, self.id, min_idle_time=0,
@@ -263,14 +315,24 @@ class Executor:
             self._process(entries, replay=True)
 
     def _step(self) -> None:
-        reply = self.redis.xreadgroup(R.GROUP, self.id, {self.stream: ">"}, count=256,
-                                      block=1000)
-        if reply:
-            self._process(reply[0][1], replay=False)
+        # Commands are read in the same call as objects: an idle worker wakes at once, a busy
+        # one sees them after the current batch, not behind its whole backlog.
+        reply = self.redis.xreadgroup(R.GROUP, self.id, {self.stream: ">", self.cmd_stream: ">"},
+                                      count=256, block=1000)
+        commands = []
+        for stream, entries in reply or []:
+            name = stream.decode() if isinstance(stream, bytes) else stream
+            if name == self.stream:
+                self._process(entries, replay=False)
+            else:
+                commands = entries
+        for eid, fields in commands:
+            self._command(eid, fields)
         now = time.time()
         if now - self.last_trim > 5.0:
             self.last_trim = now
             self._trim(now)
+            self._expire_window(now)
 
     def _process(self, entries: list[tuple[bytes, dict[bytes, bytes]]], replay: bool) -> None:
         ids = [e[0] for e in entries]
@@ -300,6 +362,12 @@ class Executor:
         for _eid, msg in msgs:
             kind = msg.get("t")
             if kind == "obj":
+                if not self.replicated and msg.get("v", 0) < self.version:
+                    # routed with an older plan: forward what is no longer ours (§5.1)
+                    local = self._reroute(msg, pipe)
+                    if local is None:
+                        continue
+                    msg = local
                 if group and group[0]["tn"] != msg["tn"]:
                     self._match_group(group, pipe, notify)
                     group = []
@@ -309,12 +377,16 @@ class Executor:
                 self._match_group(group, pipe, notify)
                 group = []
             if kind == "sub+":
+                if not self.replicated and msg.get("v", 0) < self.version:
+                    self._forward_subs(msg["subs"], pipe)
                 self.handle_subs_added(msg["subs"], pipe)
                 for m in msg["subs"]:
                     if m["spec"]["type"] == "knn":
                         notify.setdefault(m["tenant"], set()).add(m["id"])
             elif kind == "sub-":
                 self.handle_subs_removed(msg["ids"])
+            elif kind == "handoff":
+                self._receive_handoff(msg, pipe, notify)
         if group:
             self._match_group(group, pipe, notify)
         for eid in ids:
@@ -392,7 +464,13 @@ class Executor:
     # --- subscriptions -------------------------------------------------------------------
     def handle_subs_added(self, subs: list[dict[str, Any]], pipe: Any = None) -> None:
         for m in subs:
+            if m["id"] in self.tombstones or m["id"] in self.sub_msgs:
+                continue  # deleted already (a late copy), or known
             spec = m["spec"]
+            self.sub_msgs[m["id"]] = m
+            rect = self._rect_of(spec)
+            self.sub_rect[m["id"]] = rect
+            self._count_query(m["id"], rect)
             if spec["type"] == "knn":
                 state = self._knn_state(m["tenant"])
                 if m["id"] not in state.subs:
@@ -412,6 +490,14 @@ class Executor:
                                m.get("expires_at")))
 
     def handle_subs_removed(self, ids: list[str]) -> None:
+        now = time.time()
+        for sid in ids:
+            self.tombstones[sid] = now
+            self.sub_msgs.pop(sid, None)
+            rect = self.sub_rect.pop(sid, None)
+            for stats, arrived in self.sub_parts.pop(sid, []):
+                if rect is not None and self.stats.get(stats.partition.id) is stats:
+                    stats.remove_query(*rect, arrived_round=arrived)
         for state in self.knn.values():
             for sid in ids:
                 if state.subs.pop(sid, None) is not None:
@@ -432,6 +518,7 @@ class Executor:
                  "xo", "dx")}
         at = [m["at"] for m in group for _ in m["id"]]
         self.received += len(cols["id"])
+        self._count_objects(cols)
         changed = self._knn_state(tenant).apply(cols, at, time.time())
         if changed:
             self._merge_knn(tenant, changed, pipe)
@@ -520,6 +607,391 @@ class Executor:
         self.pending_history.append((tenant, bucket, sub_ids, refs, records))
         self.matched += int(m.rows.size)
         self.touched.update(sub_ids)
+
+    # --- SWARM statistics (§4.2) -----------------------------------------------------------
+    def _rect_of(self, spec: dict[str, Any]) -> Rect:
+        """The cells a subscription covers: its range; everything for keyword subscriptions
+        (they are evaluated against every object); the centre cell for kNN."""
+        assert self.index is not None
+        grid = self.index.grid
+        if spec["type"] == "range":
+            if "bbox" in spec:
+                return grid.cell_range(tuple(spec["bbox"]))
+            c = spec["circle"]
+            return grid.cell_range(circle_bbox(c["lon"], c["lat"], c["radius_m"]))
+        if spec["type"] == "knn":
+            cx, cy = grid.cells_of([spec["point"][0]], [spec["point"][1]])
+            return int(cx[0]), int(cy[0]), int(cx[0]), int(cy[0])
+        return 0, 0, grid.nx - 1, grid.ny - 1
+
+    def _count_query(self, sid: str, rect: Rect) -> None:
+        """A new subscription: the collectors of every owned partition it overlaps."""
+        self.round_received += 1
+        x0, y0, x1, y1 = rect
+        for stats in self.stats.values():
+            p = stats.partition
+            if p.x0 <= x1 and x0 <= p.x1 and p.y0 <= y1 and y0 <= p.y1:
+                stats.add_query(x0, y0, x1, y1)
+                self.sub_parts.setdefault(sid, []).append((stats, stats.round))
+
+    def _count_objects(self, cols: dict[str, list[Any]]) -> None:
+        """New objects (not exit-only copies): two collectors each (§4.2.2), and their cells
+        kept with the window for expiry and for seeding new partitions."""
+        xo = np.asarray(cols["xo"], dtype=bool)
+        keep = np.flatnonzero(~xo)
+        self.round_received += int(keep.size)
+        if not keep.size or self.replicated or not self.stats:
+            return
+        assert self.index is not None
+        lon = np.asarray(cols["lon"], dtype=np.float64)[keep]
+        lat = np.asarray(cols["lat"], dtype=np.float64)[keep]
+        cx, cy = self.index.grid.cells_of(lon, lat)
+        cx, cy = cx.astype(np.int32), cy.astype(np.int32)
+        self.window.append(WindowPiece(int(time.time() // self.settings.bucket_s),
+                                       self.folds, cx, cy))
+        self._stats_apply(cx, cy, lambda st, x, y: st.add_objects(x, y))
+
+    def _stats_apply(self, cx: I32, cy: I32, fn: Any) -> None:
+        """Call fn(stats, cx, cy) per owned partition with the cells that fall inside it."""
+        assert self.index is not None
+        part = self.index.cell_part[cy, cx]
+        for pi in np.unique(part).tolist():
+            stats = self.stats.get(self.index.partitions[pi].id)
+            if stats is not None:
+                sel = part == pi
+                fn(stats, cx[sel], cy[sel])
+
+    def _expire_window(self, now: float) -> None:
+        """Objects that left the window decrement N (§4.2.2)."""
+        horizon = int((now - self.settings.window_s) // self.settings.bucket_s)
+        while self.window and self.window[0].bucket < horizon:
+            piece = self.window.popleft()
+            if piece.cx.size and self.index is not None:
+                self._stats_apply(piece.cx, piece.cy, lambda st, x, y, a=piece.arrived:
+                                  st.expire_objects(x, y, arrived_round=a))
+        cutoff = now - TOMBSTONE_S
+        for sid in [s for s, t in self.tombstones.items() if t < cutoff]:
+            del self.tombstones[sid]
+
+    def _owned(self) -> list[Partition]:
+        assert self.index is not None
+        if self.replicated:
+            return []
+        return [p for p in self.index.partitions if p.worker == self.id]
+
+    def _sync_stats(self) -> None:
+        """Statistics for exactly the partitions this worker owns: dropped for those it gave
+        away, created for new ones (split, merged or received) and seeded with the window's
+        objects and the live subscriptions that lie in them."""
+        owned = {p.id: p for p in self._owned()}
+        for pid in [pid for pid in self.stats if pid not in owned]:
+            del self.stats[pid]
+        for pid, p in owned.items():
+            if pid in self.stats:
+                continue
+            stats = self.stats[pid] = PartitionStats(p, round=self.folds)
+            for piece in self.window:
+                sel = ((piece.cx >= p.x0) & (piece.cx <= p.x1)
+                       & (piece.cy >= p.y0) & (piece.cy <= p.y1))
+                if sel.any():
+                    stats.seed_objects(piece.cx[sel], piece.cy[sel], arrived_round=piece.arrived)
+            for sid, (x0, y0, x1, y1) in self.sub_rect.items():
+                if p.x0 <= x1 and x0 <= p.x1 and p.y0 <= y1 and y0 <= p.y1:
+                    arrived = stats.seed_query(x0, y0, x1, y1)
+                    self.sub_parts.setdefault(sid, []).append((stats, arrived))
+        self.owned_ids = sorted(self.stats)
+
+    def _report(self, round_no: int) -> None:
+        """End of round: fold (Algorithm 2) and report Num(C(m)), R(m) and per-partition
+        N, Q, R for the coordinator and the admin API."""
+        parts: list[dict[str, Any]] = []
+        num, received = 0.0, 0
+        for pid in sorted(self.stats):
+            stats = self.stats[pid]
+            stats.fold()
+            n, q, r = stats.totals()
+            c = balance.cost_numerator(n, q, r)
+            parts.append({"id": pid, "N": n, "Q": q, "R": r, "num": c})
+            num += c
+            received += r
+        self.folds += 1
+        if self.replicated:
+            received = self.round_received
+        report = orjson.dumps({
+            "worker": self.id, "round": round_no, "at": time.time(), "plan_version": self.version,
+            "num": num, "R": received, "partitions": parts,
+            "received": self.round_received,
+        })
+        self.round_received = 0
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hset(C.report_key(round_no), self.id, report)
+        pipe.expire(C.report_key(round_no), 3600)
+        pipe.hset(C.STATS_KEY, self.id, report)
+        pipe.execute()
+
+    # --- migration (§5.1) ----------------------------------------------------------------
+    def _reroute(self, msg: dict[str, Any], pipe: Any) -> dict[str, Any] | None:
+        """An entry routed with an older plan: rows whose new position is owned by another
+        worker now go there unprocessed, and each exit decision goes to the owner of the
+        previous position, so each record is decided exactly once even across a move. Returns
+        what stays here (None when nothing does)."""
+        self._load_plan()  # forward with the newest plan we can see
+        assert self.index is not None
+        index = self.index
+        me = index.workers.index(self.id) if self.id in index.workers else -1
+        n = len(msg["id"])
+        new_w = index.worker_of_points(np.asarray(msg["lon"], dtype=np.float64),
+                                       np.asarray(msg["lat"], dtype=np.float64))
+        xo = np.asarray(msg["xo"], dtype=bool)
+        dx = np.asarray(msg["dx"], dtype=bool)
+        prev_w = np.full(n, -1, dtype=np.int64)
+        need = np.flatnonzero(xo | dx)
+        if need.size:
+            prev = [msg["prev"][i] for i in need.tolist()]
+            prev_w[need] = index.worker_of_points(
+                np.asarray([p[0] for p in prev], dtype=np.float64),
+                np.asarray([p[1] for p in prev], dtype=np.float64))
+        if ((new_w[~xo] == me).all() and (prev_w[xo] == me).all()
+                and (prev_w[dx & ~xo] == me).all()):
+            return msg
+        dest: dict[int, list[tuple[int, bool, bool]]] = {}
+        for i in range(n):
+            if xo[i]:
+                dest.setdefault(int(prev_w[i]), []).append((i, True, True))
+            elif dx[i] and prev_w[i] != new_w[i]:
+                dest.setdefault(int(new_w[i]), []).append((i, False, False))
+                dest.setdefault(int(prev_w[i]), []).append((i, True, True))
+            else:
+                dest.setdefault(int(new_w[i]), []).append((i, False, bool(dx[i])))
+        local = None
+        for w, rows in dest.items():
+            sub = {k: ([v[i] for i, _, _ in rows] if isinstance(v, list) else v)
+                   for k, v in msg.items()}
+            sub["xo"] = [x for _, x, _ in rows]
+            sub["dx"] = [d for _, _, d in rows]
+            sub["v"] = index.version
+            if w == me:
+                local = sub
+            else:
+                pipe.xadd(R.worker_stream(index.workers[w]), {b"m": R.pack(sub)})
+                self.forwarded += len(rows)
+        return local
+
+    def _forward_subs(self, subs: list[dict[str, Any]], pipe: Any) -> None:
+        """Subscriptions routed with an older plan: also send them to the workers that own
+        their regions now (adding is idempotent; deleted ids are tombstoned)."""
+        self._load_plan()
+        assert self.index is not None
+        fwd: dict[str, list[dict[str, Any]]] = {}
+        for m in subs:
+            if m["spec"]["type"] != "range" or m["id"] in self.tombstones:
+                continue  # keyword and kNN subscriptions are on every worker already
+            for w in targets_for_spec(self.index, m["spec"]):
+                if w != self.id:
+                    fwd.setdefault(w, []).append(m)
+        for w, ms in fwd.items():
+            pipe.xadd(R.worker_stream(w), {b"m": R.encode_subs_added(ms, self.version)})
+
+    def _receive_handoff(self, msg: dict[str, Any], pipe: Any,
+                         notify: dict[str, set[str]]) -> None:
+        """mL's side of a move (§5.1): the partitions' subscriptions, window statistics and
+        moving objects, read before anything routed to us under the new plan."""
+        self._load_plan()
+        assert self.index is not None
+        if self.version < msg["v"]:
+            raise RuntimeError(f"handoff for plan {msg['v']} but the stored plan is older")
+        for pid in msg["parts"]:
+            # seen early in a plan reload: seed it again, now with what the handoff brings
+            self.stats.pop(pid, None)
+        for bucket, age, cx, cy in msg["win"]:
+            self.window.append(WindowPiece(int(bucket), self.folds - int(age),
+                                           np.asarray(cx, dtype=np.int32),
+                                           np.asarray(cy, dtype=np.int32)))
+        self.handle_subs_added(msg["subs"], pipe)
+        self._sync_stats()
+        for tenant, objs in msg["mv"].items():
+            state = self._knn_state(tenant)
+            touched = []
+            for oid, lon, lat, kws, ts in objs:
+                state.objects.upsert_moving(oid, lon, lat, frozenset(kws), ts)
+                touched.append((lon, lat, frozenset(kws)))
+            changed = state.refresh(False, touched)
+            if changed:
+                self._merge_knn(tenant, changed, pipe)
+                notify.setdefault(tenant, set()).update(s.id for s in changed)
+        log.info("worker %s received %s from %s (plan %d): %d subscriptions",
+                 self.id, msg["parts"], msg["from"], msg["v"], len(msg["subs"]))
+
+    def _transfer(self, new_plan: Plan) -> dict[str, Any]:
+        """Apply a plan that changes only this worker's partitions: hand the partitions given
+        to other workers off through their streams and publish the plan, atomically and only
+        if the stored plan is still the one this change was computed from (fencing)."""
+        assert self.index is not None
+        old = self.index.plan
+        old_ids = {p.id for p in old.partitions}
+        given = [p for p in new_plan.partitions if p.id not in old_ids and p.worker != self.id]
+        by_worker: dict[str, list[Partition]] = {}
+        for p in given:
+            by_worker.setdefault(p.worker, []).append(p)
+        handoffs: list[tuple[str, bytes]] = []
+        leaving: list[tuple[str, list[str]]] = []
+        win_masks: list[np.ndarray[Any, np.dtype[np.bool_]]] = [
+            np.zeros(piece.cx.size, dtype=bool) for piece in self.window]
+        grid = new_plan.grid
+        for w, parts in by_worker.items():
+            def inside_cells(cx: Any, cy: Any, parts: list[Partition] = parts) -> Any:
+                m = np.zeros(np.shape(cx), dtype=bool)
+                for p in parts:
+                    m |= (cx >= p.x0) & (cx <= p.x1) & (cy >= p.y0) & (cy <= p.y1)
+                return m
+
+            def inside(lon: Any, lat: Any, f: Any = inside_cells) -> Any:
+                return f(*grid.cells_of(lon, lat))
+
+            subs = [self.sub_msgs[sid] for sid, (x0, y0, x1, y1) in self.sub_rect.items()
+                    if self.sub_msgs[sid]["spec"]["type"] == "range"
+                    and any(p.x0 <= x1 and x0 <= p.x1 and p.y0 <= y1 and y0 <= p.y1
+                            for p in parts)]
+            win = []
+            for k, piece in enumerate(self.window):
+                sel = inside_cells(piece.cx, piece.cy)
+                if sel.any():
+                    win.append([piece.bucket, self.folds - piece.arrived,
+                                piece.cx[sel].tolist(), piece.cy[sel].tolist()])
+                    win_masks[k] |= sel
+            mv: dict[str, list[Any]] = {}
+            for tenant, state in self.knn.items():
+                objs = state.objects.moving_in(inside)
+                if objs:
+                    mv[tenant] = objs
+                    leaving.append((tenant, [o[0] for o in objs]))
+            handoffs.append((R.worker_stream(w), R.pack({
+                "t": "handoff", "v": new_plan.version, "from": self.id,
+                "parts": [p.id for p in parts], "subs": subs, "win": win, "mv": mv})))
+        plan_json = new_plan.to_json()
+        keys, args = C.plan_cas_args(old.version, plan_json, new_plan.version, time.time(),
+                                     R.PLAN_CHANNEL, handoffs)
+        if not self._cas(keys=keys, args=args):
+            raise CommandRefused(f"the plan is no longer version {old.version}")
+        self.index = GlobalIndex(new_plan)
+        if given:
+            pieces = list(self.window)
+            self.window.clear()
+            for piece, gone in zip(pieces, win_masks, strict=True):
+                if gone.any():
+                    piece = WindowPiece(piece.bucket, piece.arrived, piece.cx[~gone],
+                                        piece.cy[~gone])
+                self.window.append(piece)
+        self._sync_stats()
+        if leaving:
+            pipe = self.redis.pipeline(transaction=True)
+            notify: dict[str, set[str]] = {}
+            for tenant, ids in leaving:
+                state = self.knn[tenant]
+                state.objects.drop_moving(ids)
+                changed = state.refresh(True, [])
+                if changed:
+                    self._merge_knn(tenant, changed, pipe)
+                    notify.setdefault(tenant, set()).update(s.id for s in changed)
+            pipe.execute()
+            self._notify([], [], notify)
+        log.info("worker %s published plan %d: gave %s", self.id, new_plan.version,
+                 {w: [p.id for p in ps] for w, ps in by_worker.items()})
+        return {"version": new_plan.version,
+                "given": {w: [p.to_dict() for p in ps] for w, ps in by_worker.items()},
+                "partitions": [p.to_dict() for p in new_plan.partitions
+                               if p.id not in old_ids]}
+
+    # --- commands from the coordinator (app/pipeline/control.py) ---------------------------
+    def _command(self, eid: bytes, fields: dict[bytes, bytes]) -> None:
+        try:
+            msg = R.unpack(fields[b"m"])
+        except Exception as exc:  # noqa: BLE001 - a bad command must not stop the worker
+            log.error("worker %s: undecodable command %s: %s", self.id, eid, exc)
+            self.redis.xack(self.cmd_stream, R.GROUP, eid)
+            return
+        kind = msg.get("t")
+        try:
+            if kind == "round":
+                self._report(int(msg["n"]))
+                reply: dict[str, Any] | None = None
+            else:
+                reply = {"ok": True, **self._balance_command(str(kind), msg)}
+        except CommandRefused as exc:
+            reply = {"ok": False, "action": "none", "error": str(exc)}
+        except (KeyError, ValueError, TypeError) as exc:
+            log.exception("worker %s: bad command %r", self.id, msg)
+            reply = {"ok": False, "action": "none", "error": f"invalid command: {exc}"}
+        if reply is not None and msg.get("reply"):
+            reply["worker"] = self.id
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.rpush(C.reply_key(str(msg["reply"])), orjson.dumps(reply))
+            pipe.expire(C.reply_key(str(msg["reply"])), 60)
+            pipe.execute()
+        self.redis.xack(self.cmd_stream, R.GROUP, eid)
+
+    def _balance_command(self, kind: str, msg: dict[str, Any]) -> dict[str, Any]:
+        if msg.get("deadline") is not None and time.time() > float(msg["deadline"]):
+            raise CommandRefused("deadline passed")
+        self._load_plan()
+        if int(msg["version"]) != self.version:
+            raise CommandRefused(f"plan version {msg['version']} is stale "
+                                 f"(current {self.version})")
+        if self.replicated:
+            raise CommandRefused("partitioning is replicated: nothing to move")
+        assert self.index is not None
+        plan = self.index.plan
+        mine = {p.id: p for p in self._owned()}
+        ids = iter([str(i) for i in msg.get("ids", [])])
+        if kind == "reduce":
+            to = str(msg["to"])
+            if to == self.id:
+                raise CommandRefused("mL is this worker")
+            stats = [self.stats[pid] for pid in sorted(mine)]
+            red = balance.reduce_workload(stats, float(msg["c_ml"]), float(msg["r_s"]))
+            if red is None:
+                return {"action": "none", "details": {"reason": "no feasible reduction"}}
+            action = "move" if isinstance(red, balance.MoveSubset) else "split"
+            details = self._transfer(balance.apply_reduction(plan, red, to, ids))
+            if isinstance(red, balance.SplitMove):
+                details["split"] = {"partition": red.partition_id, **red.split._asdict()}
+            else:
+                details["moved"] = list(red.partition_ids)
+            return {"action": action, "version": details["version"], "details": details}
+        if kind == "move":
+            pids = [str(p) for p in msg["partitions"]]
+            missing = [p for p in pids if p not in mine]
+            if missing:
+                raise CommandRefused(f"partitions {missing} are not owned by {self.id}")
+            details = self._transfer(balance.apply_move(plan, pids, str(msg["to"]), ids))
+            details["moved"] = pids
+            return {"action": "move", "version": details["version"], "details": details}
+        if kind == "split":
+            pid = str(msg["partition"])
+            if pid not in mine:
+                raise CommandRefused(f"partition {pid} is not owned by {self.id}")
+            axis, at = msg["axis"], int(msg["at"])
+            moved = msg.get("moved")
+            if moved is None:
+                low, high = balance.split_partition(mine[pid], axis, at, (next(ids), next(ids)))
+                parts = []
+                for p in plan.partitions:
+                    parts.extend([low, high] if p.id == pid else [p])
+                new_plan = Plan(version=plan.version + 1, grid=plan.grid, partitions=parts)
+                new_plan.validate()
+            else:
+                split = balance.Split(axis, at, moved, 0.0)
+                new_plan = balance.apply_split(plan, pid, split, str(msg["to"]), ids)
+            details = self._transfer(new_plan)
+            details["split"] = {"partition": pid, "axis": axis, "at": at, "moved": moved}
+            return {"action": "split", "version": details["version"], "details": details}
+        if kind == "merge":
+            new_plan = balance.apply_merges(plan, ids, worker=self.id)
+            if new_plan is plan:
+                return {"action": "none", "details": {"reason": "nothing to merge"}}
+            details = self._transfer(new_plan)
+            return {"action": "merge", "version": details["version"], "details": details}
+        raise CommandRefused(f"unknown command {kind!r}")
 
 
 def run_worker(settings: Settings, worker_id: str, redis_url: str) -> None:

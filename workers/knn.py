@@ -100,6 +100,27 @@ class LocalObjects:
             return True
         return False
 
+    def moving_in(self, inside: Any) -> list[tuple[str, float, float, list[str], float]]:
+        """Moving objects whose latest position satisfies `inside(lon, lat)` (vectorised), as
+        (id, lon, lat, keywords, ts): what a handoff carries to a partition's new owner."""
+        if not self.moving:
+            return []
+        ids = list(self.moving)
+        pos = np.asarray([self.moving[i][:2] for i in ids], dtype=np.float64)
+        mask = inside(pos[:, 0], pos[:, 1])
+        out = []
+        for i in np.flatnonzero(mask).tolist():
+            oid = ids[i]
+            lon, lat, kws = self.moving[oid]
+            out.append((oid, lon, lat, sorted(kws), self.moving_ts[oid]))
+        return out
+
+    def drop_moving(self, ids: list[str]) -> None:
+        """Forget handed-off objects (their new owner keeps them from now on)."""
+        for oid in ids:
+            self.moving.pop(oid, None)
+            self.moving_ts.pop(oid, None)
+
     def add_event(self, oid: str, lon: float, lat: float, kws: frozenset[str], at: float) -> None:
         b = int(at // self.bucket_s)
         if not self.buckets or self.buckets[-1][0] != b:

@@ -399,12 +399,12 @@ def apply_reduction(
     return apply_split(plan, reduction.partition_id, reduction.split, to_worker, new_ids)
 
 
-def apply_merges(plan: Plan, new_ids: Iterator[str]) -> Plan:
+def apply_merges(plan: Plan, new_ids: Iterator[str], worker: str | None = None) -> Plan:
     """Next plan with mergeable pairs merged one at a time until none is left (§4.3.1's periodic
-    merge). Returns `plan` itself when nothing merges."""
+    merge), only `worker`'s partitions when given. Returns `plan` itself when nothing merges."""
     parts = [dataclasses.replace(p) for p in plan.partitions]
     merged = False
-    while pairs := mergeable(parts):
+    while pairs := mergeable([p for p in parts if worker is None or p.worker == worker]):
         a, b = pairs[0]
         ia = next(i for i, p in enumerate(parts) if p.id == a)
         ib = next(i for i, p in enumerate(parts) if p.id == b)

@@ -116,11 +116,11 @@ class PartitionStats:
     removal can undo exactly what the arrival added.
     """
 
-    def __init__(self, partition: Partition) -> None:
+    def __init__(self, partition: Partition, round: int = 0) -> None:
         self.partition = partition
         self.rows = AxisStats(partition.height)
         self.cols = AxisStats(partition.width)
-        self.round = 0
+        self.round = round
 
     def axis(self, axis: Axis) -> AxisStats:
         """Row statistics for a "y" split, column statistics for an "x" split."""
@@ -163,8 +163,8 @@ class PartitionStats:
         """
         x, y = self._local_cells(cx, cy)
         arrived = np.broadcast_to(_as_i64(arrived_round), x.shape)
-        if (arrived > self.round).any() or (arrived < 0).any():
-            raise ValueError(f"arrived_round outside 0..{self.round}")
+        if (arrived > self.round).any():
+            raise ValueError(f"arrived_round after the current round {self.round}")
         cur = arrived == self.round
         self.rows.N_new -= np.bincount(y[cur], minlength=self.rows.k)
         self.cols.N_new -= np.bincount(x[cur], minlength=self.cols.k)
@@ -194,6 +194,27 @@ class PartitionStats:
             a.Q_new[first] += 1
             a.spanQ_new[first + 1 : last + 1] += 1
 
+    def add_queries(
+        self, x0: npt.ArrayLike, y0: npt.ArrayLike, x1: npt.ArrayLike, y1: npt.ArrayLike
+    ) -> None:
+        """`add_query` for many cell rectangles at once (vectorised, the same increments).
+
+        Every rectangle must overlap the partition; each is clipped to it.
+        """
+        p = self.partition
+        a0, b0, a1, b1 = (_as_i64(v) for v in (x0, y0, x1, y1))
+        if not a0.shape == b0.shape == a1.shape == b1.shape:
+            raise ValueError("rectangle coordinates differ in length")
+        lx0, ly0 = np.maximum(a0, p.x0) - p.x0, np.maximum(b0, p.y0) - p.y0
+        lx1, ly1 = np.minimum(a1, p.x1) - p.x0, np.minimum(b1, p.y1) - p.y0
+        if ((lx0 > lx1) | (ly0 > ly1)).any():
+            raise ValueError(f"a query misses partition {p.id}")
+        for a, first, last in ((self.rows, ly0, ly1), (self.cols, lx0, lx1)):
+            a.Q_new += np.bincount(first, minlength=a.k)
+            # +1 on first+1 .. last: a difference array, then a prefix sum.
+            d = np.bincount(first + 1, minlength=a.k + 1) - np.bincount(last + 1, minlength=a.k + 1)
+            a.spanQ_new += np.cumsum(d)[: a.k]
+
     def remove_query(self, x0: int, y0: int, x1: int, y1: int, *, arrived_round: int) -> None:
         """A deleted (or expired) subscription: the inverse of `add_query`.
 
@@ -202,8 +223,8 @@ class PartitionStats:
         first row and every later one) and out of spanQ, so Q stays "live queries overlapping";
         R and preSpanQ′ keep it, because they count what was received in the last round.
         """
-        if not 0 <= arrived_round <= self.round:
-            raise ValueError(f"arrived_round {arrived_round} outside 0..{self.round}")
+        if arrived_round > self.round:
+            raise ValueError(f"arrived_round {arrived_round} after the current round {self.round}")
         lx0, ly0, lx1, ly1 = self._clip(x0, y0, x1, y1)
         for a, first, last in ((self.rows, ly0, ly1), (self.cols, lx0, lx1)):
             if arrived_round == self.round:
@@ -212,6 +233,38 @@ class PartitionStats:
             else:
                 a.Q[first:] -= 1
                 a.spanQ[first + 1 : last + 1] -= 1
+
+    # -- seeding (a partition created by a split, merge or move, §5.1) ----------------------
+
+    def seed_objects(
+        self, cx: npt.ArrayLike, cy: npt.ArrayLike, *, arrived_round: npt.ArrayLike
+    ) -> None:
+        """Objects of the window that arrived before this partition existed (they lived in its
+        parent): counted as if this partition had seen them arrive, so N is continuous across a
+        split or move and `expire_objects` later takes back exactly what this adds.
+        `arrived_round` may be negative (older than this worker's first fold)."""
+        x, y = self._local_cells(cx, cy)
+        arrived = np.broadcast_to(_as_i64(arrived_round), x.shape)
+        if (arrived > self.round).any():
+            raise ValueError(f"arrived_round after the current round {self.round}")
+        cur = arrived == self.round
+        self.rows.N_new += np.bincount(y[cur], minlength=self.rows.k)
+        self.cols.N_new += np.bincount(x[cur], minlength=self.cols.k)
+        old = ~cur
+        if old.any():
+            w = np.exp2(-(self.round - arrived[old] - 1).astype(np.float64))
+            self.rows.N += np.cumsum(np.bincount(y[old], weights=w, minlength=self.rows.k))
+            self.cols.N += np.cumsum(np.bincount(x[old], weights=w, minlength=self.cols.k))
+
+    def seed_query(self, x0: int, y0: int, x1: int, y1: int) -> int:
+        """A live query that predates this partition: in Q and spanQ as if folded in a past
+        round (not in R, which counts last round's arrivals). Returns the `arrived_round` to
+        pass to `remove_query` when it is deleted."""
+        lx0, ly0, lx1, ly1 = self._clip(x0, y0, x1, y1)
+        for a, first, last in ((self.rows, ly0, ly1), (self.cols, lx0, lx1)):
+            a.Q[first:] += 1
+            a.spanQ[first + 1 : last + 1] += 1
+        return self.round - 1
 
     # -- end of round ----------------------------------------------------------------------
 

@@ -98,11 +98,13 @@ def unpack(data: bytes) -> dict[str, Any]:
 
 def encode_objects(batch: RecordBatch, rows: list[int], rids: list[str],
                    prev: list[tuple[float, float] | None], late: list[bool],
-                   exit_only: list[bool], decide_exit: list[bool], sent_at: float) -> bytes:
+                   exit_only: list[bool], decide_exit: list[bool], sent_at: float,
+                   version: int) -> bytes:
     """A stream entry for one worker: the records it must evaluate, with their previous
-    positions (for detect) and whether it only decides `exit` for them."""
+    positions (for detect) and whether it only decides `exit` for them. `version` is the plan
+    version the router used: a worker whose plan is newer re-routes the entry (SWARM §5.1)."""
     return pack({
-        "t": "obj", "tn": batch.tenant, "at": sent_at,
+        "t": "obj", "tn": batch.tenant, "at": sent_at, "v": version,
         "id": [batch.ids[i] for i in rows], "rid": [rids[i] for i in rows],
         "mv": [batch.moving[i] for i in rows],
         "lon": [batch.lon[i] for i in rows], "lat": [batch.lat[i] for i in rows],
@@ -113,8 +115,8 @@ def encode_objects(batch: RecordBatch, rows: list[int], rids: list[str],
     })
 
 
-def encode_subs_added(subs: list[dict[str, Any]]) -> bytes:
-    return pack({"t": "sub+", "subs": subs})
+def encode_subs_added(subs: list[dict[str, Any]], version: int) -> bytes:
+    return pack({"t": "sub+", "subs": subs, "v": version})
 
 
 def encode_subs_removed(ids: list[str]) -> bytes:

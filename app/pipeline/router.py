@@ -160,7 +160,7 @@ class Router:
         pipe = self.redis.pipeline(transaction=True)
         for w, rows in rows_by_worker.items():
             pipe.xadd(R.worker_stream(index.workers[w]), {b"m": R.encode_objects(
-                batch, rows, rids, prev, late, exit_only, decide_exit, sent_at)})
+                batch, rows, rids, prev, late, exit_only, decide_exit, sent_at, index.version)})
         if extra:
             by_w: dict[int, list[int]] = {}
             for w, i in extra:
@@ -168,7 +168,7 @@ class Router:
             xo_true = [True] * n
             for w, rows in by_w.items():
                 pipe.xadd(R.worker_stream(index.workers[w]), {b"m": R.encode_objects(
-                    batch, rows, rids, prev, late, xo_true, xo_true, sent_at)})
+                    batch, rows, rids, prev, late, xo_true, xo_true, sent_at, index.version)})
         await pipe.execute()
 
     async def latest(self, tenant: str, object_id: str) -> dict[str, Any] | None:
@@ -188,7 +188,7 @@ class Router:
                 per_worker.setdefault(w, []).append(subscription_message(row))
         pipe = self.redis.pipeline(transaction=True)
         for w, subs in per_worker.items():
-            pipe.xadd(R.worker_stream(w), {b"m": R.encode_subs_added(subs)})
+            pipe.xadd(R.worker_stream(w), {b"m": R.encode_subs_added(subs, index.version)})
         await pipe.execute()
 
     async def remove_subscriptions(self, rows: list[Subscription],
