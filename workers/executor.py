@@ -319,15 +319,13 @@ class Executor:
         # one sees them after the current batch, not behind its whole backlog.
         reply = self.redis.xreadgroup(R.GROUP, self.id, {self.stream: ">", self.cmd_stream: ">"},
                                       count=256, block=1000)
-        commands = []
-        for stream, entries in reply or []:
-            name = stream.decode() if isinstance(stream, bytes) else stream
-            if name == self.stream:
-                self._process(entries, replay=False)
-            else:
-                commands = entries
-        for eid, fields in commands:
+        # Commands first: entries read in the same call that a move made stale are then
+        # forwarded (either order is correct; this one never delays a command behind a batch).
+        by_stream = {(s.decode() if isinstance(s, bytes) else s): e for s, e in reply or []}
+        for eid, fields in by_stream.get(self.cmd_stream, []):
             self._command(eid, fields)
+        if by_stream.get(self.stream):
+            self._process(by_stream[self.stream], replay=False)
         now = time.time()
         if now - self.last_trim > 5.0:
             self.last_trim = now

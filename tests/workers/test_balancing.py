@@ -1,0 +1,233 @@
+"""Exact delivery while partitions move, split and merge (SWARM §5.1): real api and worker
+processes, real Redis, real WebSockets, the brute-force oracle. Here the balancing commands
+are sent to the workers directly (the protocol of app/pipeline/control.py); the coordinator
+and admin API driving them are tested in test_balancer_e2e.py."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import secrets
+import signal
+import time
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+import redis
+
+from app.geo.index import Plan
+from app.pipeline import control as C
+from app.pipeline import records as R
+from tests.conftest import LiveServer, start_server
+from tests.workers.harness import Listener, wait_for
+from tests.workers.oracle import Oracle, received_matches
+from tests.workers.test_pipeline import (
+    assert_exact,
+    create_subs,
+    publish,
+    random_objects,
+    random_subs,
+)
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory, redis_url: str):  # type: ignore[no-untyped-def]
+    s = start_server(tmp_path_factory.mktemp("balancing"), redis_url, workers=3)
+    s.wait_workers(3)
+    yield s
+    s.stop()
+
+
+def plan_of(server: LiveServer) -> Plan:
+    raw = redis.Redis.from_url(server.redis_url).get(R.PLAN_KEY)
+    assert raw is not None
+    return Plan.from_json(raw)
+
+
+def owner(plan: Plan, lon: float, lat: float) -> tuple[str, str]:
+    """(partition id, worker) owning a point."""
+    cx, cy = plan.grid.cells_of([lon], [lat])
+    for p in plan.partitions:
+        if p.contains_cell(int(cx[0]), int(cy[0])):
+            return p.id, p.worker
+    raise AssertionError("no partition owns the point")
+
+
+def command(server: LiveServer, worker: str, msg: dict[str, Any], timeout: float = 20.0,
+            deadline: float | None = None) -> dict[str, Any] | None:
+    """Send one balancing command as the coordinator would; the worker's reply (None on
+    timeout)."""
+    client = redis.Redis.from_url(server.redis_url)
+    plan = plan_of(server)
+    token = secrets.token_hex(8)
+    first = int(client.incrby(C.PART_SEQ, 8)) - 7
+    body = {"version": plan.version, "deadline": deadline or time.time() + timeout,
+            "reply": token, "ids": C.partition_ids(first + 100, 8), **msg}
+    client.xadd(C.command_stream(worker), {b"m": R.pack(body)})
+    got = client.blpop([C.reply_key(token)], timeout=timeout)
+    return None if got is None else orjson.loads(got[1])
+
+
+async def _moves_during_burst(server: LiveServer, seed: int) -> None:
+    rng = random.Random(seed)
+    key = server.new_key()
+    oracle = Oracle()
+    async with httpx.AsyncClient(base_url=server.base_url, timeout=30) as client:
+        await create_subs(client, key, random_subs(rng, 150), oracle)
+        listener = Listener(server.ws_url, key)
+        await listener.connect()
+        await listener.listen(all=True)
+        movers = [f"car-{i}" for i in range(30)]
+        clock = [1_700_000_000.0]
+        versions = [plan_of(server).version]
+        actions: list[str] = []
+
+        def step(i: int) -> None:
+            plan = plan_of(server)
+            pid, w = owner(plan, 0.3, 0.2)  # the hotspot of random_objects
+            others = sorted({p.worker for p in plan.partitions} - {w})
+            p = next(q for q in plan.partitions if q.id == pid)
+            if i % 3 == 0:
+                reply = command(server, w, {"t": "move", "partitions": [pid],
+                                            "to": others[i % len(others)]})
+            elif i % 3 == 1 and p.width > 1:
+                at = min(max(p.x0, 500), p.x1 - 1)
+                reply = command(server, w, {"t": "split", "partition": pid, "axis": "x",
+                                            "at": at, "moved": "high", "to": others[0]})
+            elif p.height > 1:
+                at = min(max(p.y0, 500), p.y1 - 1)
+                reply = command(server, w, {"t": "split", "partition": pid, "axis": "y",
+                                            "at": at, "moved": "low", "to": others[-1]})
+            else:
+                reply = command(server, w, {"t": "merge"})
+            assert reply is not None and reply["ok"], reply
+            actions.append(reply["action"])
+            versions.append(plan_of(server).version)
+
+        for i in range(30):
+            await publish(client, key, random_objects(rng, 100, movers, clock), oracle)
+            if i % 4 == 1:
+                # the command runs while the next batches are routed: some still with the old
+                # plan (routers reload within a second), which the old owner forwards
+                task = asyncio.create_task(asyncio.to_thread(step, i // 4))
+                await publish(client, key, random_objects(rng, 100, movers, clock), oracle)
+                await task
+        for w in ("w0", "w1", "w2"):
+            reply = command(server, w, {"t": "merge"})
+            assert reply is not None and reply["ok"], reply
+        await publish(client, key, random_objects(rng, 100, movers, clock), oracle)
+        await wait_for(lambda: len(listener.matches()) >= oracle.total(), 60)
+        await asyncio.sleep(0.5)
+        assert_exact(received_matches(listener.messages), oracle)
+        assert len(set(versions)) >= 7 and {"move", "split"} <= set(actions), (versions, actions)
+        await listener.close()
+    plan = plan_of(server)
+    plan.validate()
+    assert any(p.parent for p in plan.partitions) or plan.version > versions[0]
+    history = redis.Redis.from_url(server.redis_url).lrange(C.PLAN_HISTORY, 0, -1)
+    assert [orjson.loads(h)["version"] for h in history][-1] == plan.version
+
+
+def test_exact_delivery_while_partitions_move_split_and_merge(cluster: LiveServer) -> None:
+    asyncio.run(_moves_during_burst(cluster, seed=3))
+
+
+def forwarded(server: LiveServer, worker: str) -> int:
+    """Records the worker forwarded to a partition's new owner (from its heartbeat)."""
+    raw = redis.Redis.from_url(server.redis_url).hget(R.WORKERS_KEY, worker)
+    return int(orjson.loads(raw or b"{}").get("forwarded", 0))
+
+
+async def _paused_owner(server: LiveServer) -> None:
+    """A worker paused (SIGSTOP) around a move: a command that reaches it after its deadline
+    is refused (it never executes a stale decision); a worker paused right after giving a
+    partition away forwards, on resume, what stale routers sent it; nothing is lost or
+    duplicated."""
+    rng = random.Random(5)
+    key = server.new_key()
+    oracle = Oracle()
+    async with httpx.AsyncClient(base_url=server.base_url, timeout=30) as client:
+        await create_subs(client, key, random_subs(rng, 120), oracle)
+        listener = Listener(server.ws_url, key)
+        await listener.connect()
+        await listener.listen(all=True)
+        movers = [f"bus-{i}" for i in range(20)]
+        clock = [1_700_000_000.0]
+        plan = plan_of(server)
+        pid, w = owner(plan, 0.3, 0.2)
+        other = sorted({p.worker for p in plan.partitions} - {w})[0]
+        server.kill(w, signal.SIGSTOP)
+        try:
+            for _ in range(4):
+                await publish(client, key, random_objects(rng, 80, movers, clock), oracle)
+            reply = await asyncio.to_thread(command, server, w, {"t": "move", "partitions": [pid],
+                                                                 "to": other}, 1.5)
+            assert reply is None  # paused: no answer before the deadline
+        finally:
+            server.kill(w, signal.SIGCONT)
+        await wait_for(lambda: plan_of(server).version == plan.version, 5)
+        # the late command was refused, not executed
+        await asyncio.sleep(1.0)
+        assert plan_of(server).version == plan.version
+        before = forwarded(server, w)
+        # now pause the owner while records for its partition queue up, move the partition
+        # while it is paused: on resume it runs the move first and forwards those records
+        server.kill(w, signal.SIGSTOP)
+        try:
+            for _ in range(4):
+                await publish(client, key, random_objects(rng, 80, movers, clock), oracle)
+            move = asyncio.create_task(asyncio.to_thread(
+                command, server, w, {"t": "move", "partitions": [pid], "to": other}))
+            await asyncio.sleep(0.5)
+        finally:
+            server.kill(w, signal.SIGCONT)
+        reply = await move
+        assert reply is not None and reply["ok"] and reply["action"] == "move", reply
+        # and pause it again after it lost the partition, while publishing goes on
+        server.kill(w, signal.SIGSTOP)
+        try:
+            for _ in range(4):
+                await publish(client, key, random_objects(rng, 80, movers, clock), oracle)
+            await asyncio.sleep(1.0)
+        finally:
+            server.kill(w, signal.SIGCONT)
+        for _ in range(3):
+            await publish(client, key, random_objects(rng, 80, movers, clock), oracle)
+        await wait_for(lambda: len(listener.matches()) >= oracle.total(), 60)
+        await asyncio.sleep(0.5)
+        assert_exact(received_matches(listener.messages), oracle)
+        await listener.close()
+    assert owner(plan_of(server), 0.3, 0.2)[1] == other
+    await asyncio.sleep(1.2)  # one heartbeat
+    assert forwarded(server, w) > before  # the queued records went to the new owner
+
+
+def test_paused_worker_around_a_move(cluster: LiveServer) -> None:
+    asyncio.run(_paused_owner(cluster))
+
+
+def test_round_reports_statistics(cluster: LiveServer) -> None:
+    """A round command folds the statistics; the report's per-partition counts add up."""
+    client = redis.Redis.from_url(cluster.redis_url)
+    n = int(client.incr(C.ROUND_SEQ)) + 1000
+    plan = plan_of(cluster)
+    for w in ("w0", "w1", "w2"):  # a worker may own no partition after the tests above
+        client.xadd(C.command_stream(w), {b"m": R.pack({"t": "round", "n": n})})
+    deadline = time.monotonic() + 20
+    while client.hlen(C.report_key(n)) < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    reports = {k.decode(): orjson.loads(v) for k, v in client.hgetall(C.report_key(n)).items()}
+    assert set(reports) == {"w0", "w1", "w2"}
+    owned = {p.id for p in plan.partitions}
+    for w, rep in reports.items():
+        assert {p["id"] for p in rep["partitions"]} == {p.id for p in plan.partitions
+                                                          if p.worker == w}
+        assert rep["R"] == sum(p["R"] for p in rep["partitions"])
+        assert rep["num"] == pytest.approx(sum(p["N"] * p["Q"] * p["R"]
+                                               for p in rep["partitions"]))
+        assert {p["id"] for p in rep["partitions"]} <= owned
+    assert all(r["round"] == n for r in reports.values())
