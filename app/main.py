@@ -19,7 +19,7 @@ from sqlalchemy.exc import DBAPIError, OperationalError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.api.deps import AppState
-from app.api.routes import admin, health, keys, objects, stream, subscriptions
+from app.api.routes import admin, dashboard, health, keys, objects, stream, subscriptions
 from app.core.config import Settings, get_settings
 from app.core.db import make_engine, make_sessionmaker
 from app.core.errors import ApiError
@@ -191,7 +191,7 @@ def create_app(settings: Settings | None = None, redis_url: str | None = None) -
         lifespan=lifespan,
     )
     install_error_handlers(app)
-    for module in (health, keys, subscriptions, objects, stream, admin):
+    for module in (health, keys, subscriptions, objects, stream, admin, dashboard):
         app.include_router(module.router)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     return app

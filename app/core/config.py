@@ -32,8 +32,10 @@ class Settings(BaseSettings):
     window_s: float = 3600.0
     bucket_s: float = 60.0
     partitioning: Literal["swarm", "uniform", "history", "replicated"] = "swarm"
+    history_sample: Path | None = None  # NDJSON sample for partitioning=history (SWARM §6)
     balance_period_s: float = 15.0
     balance_beta: int = 20
+    admin_rebalance_timeout_s: float = 30.0  # POST /v1/admin/rebalance waits this long (503)
 
     # --- archive and Spark ------------------------------------------------------
     archive_url: str | None = None  # unset → data_dir/archive

@@ -28,6 +28,10 @@ class NotFound(ApiError):
     status = 404
 
 
+class Conflict(ApiError):
+    status = 409
+
+
 class PayloadTooLarge(ApiError):
     status = 413
 

@@ -9,8 +9,10 @@ import orjson
 from pydantic import (
     BaseModel,
     ConfigDict,
+    Discriminator,
     Field,
     StringConstraints,
+    Tag,
     field_validator,
     model_validator,
 )
@@ -220,6 +222,77 @@ class KeyCreated(BaseModel):
     key: str
     tenant: str
     admin: bool
+
+
+# --- load balancing (admin) ------------------------------------------------------------------
+
+PeriodS = Annotated[float, Field(ge=0.1, le=3600.0, allow_inf_nan=False, strict=True)]
+
+
+class BalancerConfigIn(Strict):
+    """PUT /v1/admin/balancer: any subset; an absent field keeps its value, null is refused."""
+
+    enabled: Annotated[bool, Field(strict=True)] | None = None
+    period_s: PeriodS | None = None
+    beta: Annotated[int, Field(ge=1, le=1000, strict=True)] | None = None
+
+    @field_validator("enabled", "period_s", "beta", mode="before")
+    @classmethod
+    def _not_null(cls, v: Any) -> Any:
+        # Only explicit values reach here (defaults are not validated): null is not "unchanged".
+        if v is None:
+            raise ValueError("may not be null; leave the field out to keep its value")
+        return v
+
+
+Name = Annotated[str, StringConstraints(min_length=1, max_length=64, strict=True)]
+Cell = Annotated[int, Field(ge=0, le=10_000, strict=True)]
+
+
+class RebalanceRound(Strict):
+    """`{}`: run one balancing round now."""
+
+
+class RebalanceMove(Strict):
+    """Move one partition to another worker."""
+
+    partition: Name
+    to: Name
+
+
+class RebalanceSplit(Strict):
+    """Split one partition at a cell column (axis x) or row (axis y): the low half keeps the
+    cells up to and including `at`."""
+
+    split: Name
+    axis: Literal["x", "y"]
+    at: Cell
+
+
+_MOVE_FIELDS = frozenset({"partition", "to"})
+_SPLIT_FIELDS = frozenset({"split", "axis", "at"})
+
+
+def _rebalance_kind(v: Any) -> str | None:
+    """The shape a body claims by its fields; a split field wins, so a mixed body is reported
+    as a split with the move fields named as not permitted."""
+    if isinstance(v, dict):
+        if v.keys() & _SPLIT_FIELDS:
+            return "split"
+        if v.keys() & _MOVE_FIELDS:
+            return "move"
+        return "round"
+    return {RebalanceRound: "round", RebalanceMove: "move", RebalanceSplit: "split"}.get(type(v))
+
+
+RebalanceIn = Annotated[
+    Annotated[RebalanceRound, Tag("round")]
+    | Annotated[RebalanceMove, Tag("move")]
+    | Annotated[RebalanceSplit, Tag("split")],
+    Discriminator(_rebalance_kind, custom_error_type="rebalance_shape",
+                  custom_error_message="the body must be an object: {} (a round), "
+                  "{partition, to} (a move) or {split, axis, at} (a split)"),
+]
 
 
 def subscription_spec(

@@ -27,6 +27,10 @@ V1 = [
     ("POST", "/v1/admin/keys", {"tenant": "acme"}),
     ("DELETE", "/v1/admin/keys/k_0", None),
     ("GET", "/v1/admin/cluster", None),
+    ("GET", "/v1/admin/partitions", None),
+    ("GET", "/v1/admin/balancer", None),
+    ("PUT", "/v1/admin/balancer", {"enabled": True}),
+    ("POST", "/v1/admin/rebalance", {}),
 ]
 ADMIN = [v for v in V1 if v[1].startswith("/v1/admin")]
 

@@ -26,7 +26,7 @@ from app.models import ApiKey, Model, Subscription, Tenant
 from app.services import keys, subscriptions
 
 ROOT = Path(__file__).resolve().parents[2]
-TABLES = {"tenants", "api_keys", "subscriptions"}
+TABLES = {"tenants", "api_keys", "subscriptions", "balancer_rounds"}
 
 
 def _settings(database_url: str, tmp_path: Path) -> Settings:

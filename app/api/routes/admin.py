@@ -1,26 +1,75 @@
-"""Admin: the cluster view (`GET /v1/admin/cluster`)."""
+"""Admin: the cluster view, the partitions as GeoJSON and the load balancer (SWARM §4.3): its
+configuration and state, and manual rounds, moves and splits sent to the leader coordinator
+(the protocol of app/pipeline/control.py)."""
 
 from __future__ import annotations
 
+import logging
+import math
+import secrets
 import time
-from typing import Any
+from typing import Annotated, Any
 
 import orjson
-from fastapi import APIRouter
+import redis.asyncio as aioredis
+from fastapi import APIRouter, Body
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from redis.exceptions import WatchError
+from sqlalchemy import select
+from starlette.concurrency import run_in_threadpool
 
-from app.api.deps import AdminDep, StateDep, StrictJSONRoute
+from app.api.deps import AdminDep, AppState, StateDep, StrictJSONRoute, require_plan
+from app.core.errors import ApiError, Conflict, NotFound, Unavailable
+from app.geo.index import GlobalIndex, Partition
+from app.models import BalancerRound
+from app.pipeline import control as C
 from app.pipeline import records as R
+from app.schemas import (
+    BalancerConfigIn,
+    RebalanceIn,
+    RebalanceMove,
+    RebalanceRound,
+    RebalanceSplit,
+)
+
+log = logging.getLogger(__name__)
 
 router = APIRouter(prefix="/v1/admin", tags=["admin"], route_class=StrictJSONRoute)
+
+RECENT_ROUNDS = 20
+
+
+def _json_object(raw: bytes | str | None) -> dict[str, Any]:
+    """A JSON object kept in Redis by another process; anything else reads as empty."""
+    if raw is None:
+        return {}
+    try:
+        value = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def _number(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return 0.0
+    return float(value) if math.isfinite(value) else 0.0
+
+
+def _decode(value: bytes | str | None) -> str | None:
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else value
 
 
 @router.get("/cluster")
 async def cluster(state: StateDep, _admin: AdminDep) -> dict[str, Any]:
-    """Plan version, partitioning mode and every worker with its partitions and backlog."""
+    """Plan version, partitioning mode and every worker with its partitions, cost and backlog."""
     assert state.router is not None
     await state.router.refresh()
     index = state.router.index
     raw = await state.redis.hgetall(R.WORKERS_KEY)
+    costs = _json_object(await state.redis.get(C.BALANCER_STATE)).get("costs")
+    costs = costs if isinstance(costs, dict) else {}
     now = time.time()
     infos = {k.decode(): orjson.loads(v) for k, v in raw.items()}
     names = sorted(set(infos) | set(index.workers if index else []))
@@ -35,9 +84,258 @@ async def cluster(state: StateDep, _admin: AdminDep) -> dict[str, Any]:
         workers.append({
             "id": w, "pid": info.get("pid"), "host": info.get("host"),
             "alive": now - info.get("heartbeat", 0) <= state.settings.worker_dead_after_s,
-            "partitions": parts, "cost": info.get("cost", 0.0),
+            "partitions": parts, "cost": _number(costs.get(w)),
             "received": info.get("received", 0), "backlog": length,
             "subscriptions": info.get("subscriptions", 0),
         })
     return {"plan_version": index.plan.version if index else None,
             "partitioning": state.settings.partitioning, "workers": workers}
+
+
+# --- partitions ------------------------------------------------------------------------------
+
+async def _reports(state: AppState) -> tuple[int | None, float, dict[str, dict[str, Any]]]:
+    """The latest round among the workers' latest reports, R(S) over that round's reports, and
+    each partition's statistics from the newest report that has it."""
+    raw = await state.redis.hgetall(C.STATS_KEY)
+    reports = []
+    for value in raw.values():
+        report = _json_object(value)
+        n = report.get("round")
+        if isinstance(n, int) and not isinstance(n, bool):
+            reports.append(report)
+    if not reports:
+        return None, 0.0, {}
+    current = max(r["round"] for r in reports)
+    r_s = sum(_number(r.get("R")) for r in reports if r["round"] == current)
+    stats: dict[str, dict[str, Any]] = {}
+    for report in sorted(reports, key=lambda r: r["round"]):  # newer reports overwrite
+        parts = report.get("partitions")
+        for p in parts if isinstance(parts, list) else []:
+            if isinstance(p, dict) and isinstance(p.get("id"), str):
+                stats[p["id"]] = p
+    return current, r_s, stats
+
+
+def _feature(index: GlobalIndex, p: Partition, stats: dict[str, Any] | None,
+             r_s: float) -> dict[str, Any]:
+    min_lon, min_lat, _, _ = index.grid.cell_bbox(p.x0, p.y0)
+    _, _, max_lon, max_lat = index.grid.cell_bbox(p.x1, p.y1)
+    ring = [[min_lon, min_lat], [max_lon, min_lat], [max_lon, max_lat], [min_lon, max_lat],
+            [min_lon, min_lat]]  # counter-clockwise (RFC 7946 §3.1.6)
+    s = stats or {}
+    num = _number(s.get("num"))
+    return {
+        "type": "Feature",
+        "id": p.id,
+        "bbox": [min_lon, min_lat, max_lon, max_lat],
+        "geometry": {"type": "Polygon", "coordinates": [ring]},
+        "properties": {
+            "id": p.id, "worker": p.worker, "parent": p.parent, "prev_owner": p.prev_owner,
+            "cells": p.area, "x0": p.x0, "y0": p.y0, "x1": p.x1, "y1": p.y1,
+            "N": _number(s.get("N")), "Q": _number(s.get("Q")), "R": _number(s.get("R")),
+            "num": num, "cost": num / r_s if r_s > 0 else 0.0,
+        },
+    }
+
+
+@router.get("/partitions")
+async def partitions(state: StateDep, _admin: AdminDep) -> dict[str, Any]:
+    """The partitions of the current plan as a GeoJSON FeatureCollection, with their last
+    reported statistics and cost C(p) = Num(p) / R(S)."""
+    assert state.router is not None
+    await state.router.refresh()
+    index = state.router.index
+    current, r_s, stats = await _reports(state)
+    if index is None:
+        return {"type": "FeatureCollection", "features": [], "plan_version": None,
+                "round": current, "r_s": r_s}
+    return {
+        "type": "FeatureCollection",
+        "bbox": list(index.grid.bounds),
+        "plan_version": index.plan.version,
+        "grid": {"nx": index.grid.nx, "ny": index.grid.ny},
+        "round": current,
+        "r_s": r_s,
+        "features": [_feature(index, p, stats.get(p.id), r_s) for p in index.partitions],
+    }
+
+
+# --- the balancer ------------------------------------------------------------------------------
+
+def _config(state: AppState, stored: dict[str, Any]) -> dict[str, Any]:
+    """The balancer configuration: what is stored in Redis over the defaults of Settings."""
+    s = state.settings
+    config = {"enabled": s.partitioning == "swarm", "period_s": s.balance_period_s,
+              "beta": s.balance_beta}
+    for key in config:
+        if key in stored:
+            config[key] = stored[key]
+    return config
+
+
+def _round_row(row: BalancerRound) -> dict[str, Any]:
+    return {"round": row.round, "time": row.started_at, "kind": row.kind, "r_s": row.r_s,
+            "costs": row.costs, "stage": row.stage, "decision": row.decision, "mh": row.mh,
+            "ml": row.ml, "action": row.action, "details": row.details,
+            "plan_version": row.plan_version, "duration_ms": row.duration_ms}
+
+
+async def _balancer(state: AppState) -> dict[str, Any]:
+    pipe = state.redis.pipeline(transaction=False)
+    pipe.get(C.BALANCER_CONFIG)
+    pipe.get(C.BALANCER_STATE)
+    pipe.get(C.LEASE_KEY)
+    raw_config, raw_state, leader = await pipe.execute()
+    balancer = _json_object(raw_state)
+    pointer = balancer.get("pointer")
+    pointer = pointer if isinstance(pointer, dict) else None
+
+    def recent() -> list[dict[str, Any]]:
+        with state.sessions() as session:
+            rows = session.scalars(select(BalancerRound).order_by(
+                BalancerRound.started_at.desc(), BalancerRound.seq.desc()).limit(RECENT_ROUNDS))
+            return [_round_row(r) for r in rows]
+
+    stage = (pointer or {}).get("stage") or balancer.get("stage") or "START"
+    return {
+        **_config(state, _json_object(raw_config)),
+        "stage": stage,
+        "last_decision": balancer.get("last_decision"),
+        "pointer": pointer,
+        "leader": _decode(leader),
+        "round": balancer.get("round"),
+        "r_s": balancer.get("r_s"),
+        "costs": balancer.get("costs") or {},
+        "last_round_at": balancer.get("last_round_at"),
+        "rounds": await run_in_threadpool(recent),
+    }
+
+
+@router.get("/balancer")
+async def get_balancer(state: StateDep, _admin: AdminDep) -> dict[str, Any]:
+    """The balancer's configuration, decision pointer, leader and its last rounds."""
+    return await _balancer(state)
+
+
+@router.put("/balancer")
+async def put_balancer(body: BalancerConfigIn, state: StateDep, _admin: AdminDep
+                       ) -> dict[str, Any]:
+    """Change any of enabled, period_s and beta; the coordinator picks them up next round."""
+    changes = body.model_dump(exclude_unset=True)
+    async with state.redis.pipeline(transaction=True) as pipe:
+        while True:  # optimistic: a concurrent PUT is merged, not overwritten
+            try:
+                await pipe.watch(C.BALANCER_CONFIG)
+                config = _config(state, _json_object(await pipe.get(C.BALANCER_CONFIG)))
+                config.update(changes)
+                pipe.multi()
+                pipe.set(C.BALANCER_CONFIG, orjson.dumps(config))
+                await pipe.execute()
+                break
+            except WatchError:
+                continue
+    log.info("balancer configuration changed: %s", changes)
+    return await _balancer(state)
+
+
+# --- manual rebalancing ----------------------------------------------------------------------
+
+def _field_error(field: str, message: str, value: Any) -> RequestValidationError:
+    return RequestValidationError([{"type": "value_error", "loc": ("body", field),
+                                    "msg": message, "input": value}])
+
+
+def _partition(index: GlobalIndex, pid: str) -> Partition:
+    i = index.part_index.get(pid)
+    if i is None:
+        raise NotFound(f"no partition {pid!r} in plan version {index.plan.version}")
+    return index.partitions[i]
+
+
+async def _request(state: AppState, body: RebalanceRound | RebalanceMove | RebalanceSplit,
+                   token: str) -> dict[str, Any]:
+    """Check the request against the current plan and the live workers; the coordinator
+    checks again against the plan it acts on."""
+    if isinstance(body, RebalanceRound):
+        return {"id": token, "kind": "round"}
+    await require_plan(state)
+    assert state.router is not None
+    await state.router.refresh()
+    index = state.router.index
+    assert index is not None
+    if isinstance(body, RebalanceMove):
+        p = _partition(index, body.partition)
+        if body.to not in await state.router.live_workers(time.time()):
+            raise NotFound(f"no live worker {body.to!r} in the cluster")
+        if p.worker == body.to:
+            raise Conflict(f"partition {p.id!r} is already owned by {body.to!r}")
+        return {"id": token, "kind": "move", "partition": p.id, "to": body.to}
+    p = _partition(index, body.split)
+    lo, hi = (p.x0, p.x1) if body.axis == "x" else (p.y0, p.y1)
+    if lo == hi:
+        raise _field_error("axis", f"partition {p.id!r} is one cell wide along {body.axis}: "
+                           "it cannot be split on that axis", body.axis)
+    if not lo <= body.at < hi:
+        raise _field_error("at", f"a split of {p.id!r} along {body.axis} must be at a cell "
+                           f"{lo} ≤ at < {hi} (the low half keeps cells up to at)", body.at)
+    return {"id": token, "kind": "split", "partition": p.id, "axis": body.axis, "at": body.at}
+
+
+def _reply_response(reply: dict[str, Any]) -> JSONResponse:
+    """The coordinator's answer as the API's answer: 202 with the result or its error."""
+    status = reply.get("status")
+    if status == 202:
+        return JSONResponse({"round": reply.get("round"), "action": reply.get("action"),
+                             "details": reply.get("details")}, status_code=202)
+    message = str(reply.get("error") or "the coordinator refused the request")
+    if status == 422:
+        raise RequestValidationError([{"type": "value_error", "loc": ("body",),
+                                       "msg": message, "input": None}])
+    if isinstance(status, int) and not isinstance(status, bool) and 400 <= status < 500:
+        error = ApiError(message)
+        error.status = status
+        raise error
+    raise Unavailable(message, headers={"Retry-After": "1"})
+
+
+@router.post("/rebalance", status_code=202, responses={
+    202: {"description": "the coordinator ran the round, move or split"},
+    404: {"description": "unknown partition or worker"},
+    409: {"description": "the partition is already there, or the plan changed meanwhile"},
+    503: {"description": "no coordinator is running, or it did not answer in time"},
+})
+async def rebalance(body: Annotated[RebalanceIn, Body(openapi_examples={
+    "round": {"summary": "a balancing round now", "value": {}},
+    "move": {"summary": "move a partition", "value": {"partition": "p7", "to": "w2"}},
+    "split": {"summary": "split a partition", "value": {"split": "p7", "axis": "x", "at": 120}},
+})], state: StateDep, _admin: AdminDep) -> JSONResponse:
+    """Run one balancing round now, move one partition or split one, through the coordinator."""
+    token = secrets.token_hex(16)
+    request = await _request(state, body, token)
+    if await state.redis.get(C.LEASE_KEY) is None:
+        raise Unavailable("no coordinator is running (nobody holds the balancer lease); "
+                          "start one and retry", headers={"Retry-After": "5"})
+    payload = orjson.dumps(request)
+    timeout = state.settings.admin_rebalance_timeout_s
+    # A connection of its own: the shared pool's socket timeout is shorter than the BLPOP, and
+    # a 30 s wait must not hold one of its connections.
+    conn = aioredis.Redis.from_url(state.redis_url, socket_connect_timeout=2,
+                                   socket_timeout=timeout + 10, single_connection_client=True)
+    try:
+        await conn.rpush(C.REQUESTS_KEY, payload)
+        answer = await conn.blpop([C.reply_key(token)], timeout=timeout)
+        if answer is None:
+            withdrawn = await conn.lrem(C.REQUESTS_KEY, 1, payload)
+            log.warning("rebalance request %s: no answer within %.1f s (%s)", token, timeout,
+                        "withdrawn" if withdrawn else "taken by the coordinator")
+            raise Unavailable(
+                f"the coordinator did not answer within {timeout:g} s; "
+                + ("the request was withdrawn" if withdrawn
+                   else "it took the request and may still carry it out"),
+                headers={"Retry-After": "5"})
+    finally:
+        await conn.aclose()
+    reply = _json_object(answer[1])
+    log.info("rebalance request %s (%s): %s", token, request["kind"], reply)
+    return _reply_response(reply)
