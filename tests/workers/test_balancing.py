@@ -231,3 +231,26 @@ def test_round_reports_statistics(cluster: LiveServer) -> None:
                                                for p in rep["partitions"]))
         assert {p["id"] for p in rep["partitions"]} <= owned
     assert all(r["round"] == n for r in reports.values())
+
+
+def test_continuous_knn_across_moves(cluster: LiveServer) -> None:
+    """kNN state (moving objects' latest positions) travels with a moved partition: after
+    moves and splits of the partitions holding the query points, every kNN subscription's
+    last pushed list equals the oracle's."""
+    from tests.workers.test_pipeline import _knn
+
+    def between(i: int) -> None:
+        plan = plan_of(cluster)
+        pid, w = owner(plan, [0.0, 0.3, -1.0][i % 3], [0.0, 0.1, 0.5][i % 3])
+        other = sorted({"w0", "w1", "w2"} - {w})[i % 2]
+        p = next(q for q in plan.partitions if q.id == pid)
+        if i % 2 and p.width > 1:
+            msg: dict[str, Any] = {"t": "split", "partition": pid, "axis": "x",
+                                   "at": min(max(p.x0, 499), p.x1 - 1), "moved": "low",
+                                   "to": other}
+        else:
+            msg = {"t": "move", "partitions": [pid], "to": other}
+        reply = command(cluster, w, msg)
+        assert reply is not None and reply["ok"], reply
+
+    asyncio.run(_knn(cluster, between))

@@ -272,7 +272,8 @@ def test_ttl_expiry_notifies_listeners(pipeline: LiveServer) -> None:
     asyncio.run(_ttl_expiry(pipeline, Path(pipeline.env["GEOSWARM_DATABASE_URL"][10:])))
 
 
-async def _knn(server: LiveServer) -> None:
+async def _knn(server: LiveServer, between: Any = None) -> None:
+    """Continuous kNN against the oracle; `between(i)` runs (in a thread) after batch i."""
     from tests.workers.oracle import knn_oracle, record_keywords
 
     rng = random.Random(5)
@@ -291,7 +292,7 @@ async def _knn(server: LiveServer) -> None:
         await listener.listen(ids)
         latest_ts: dict[str, float] = {}
         clock = 1000.0
-        for _ in range(8):
+        for _ in range(8):  # noqa: B007 - passed to `between`
             objs = []
             for _ in range(40):
                 clock += 1
@@ -304,6 +305,8 @@ async def _knn(server: LiveServer) -> None:
                         obj["ts"] = clock - 100  # late: must not move the object
                 objs.append(obj)
             r = await client.post("/v1/objects", json={"objects": objs}, headers=auth(key))
+            if between is not None:
+                await asyncio.to_thread(between, _)
             for obj, oid in zip(objs, r.json()["ids"], strict=True):
                 if "id" in obj and obj["ts"] < latest_ts.get(oid, -1):
                     continue
