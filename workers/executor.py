@@ -65,13 +65,34 @@ class CommandRefused(Exception):
 
 @dataclass
 class WindowPiece:
-    """The cells of the objects of one batch still in the window, for SWARM's N: expired
-    objects decrement N (§4.2.2), and a new partition is seeded with its cells' objects."""
+    """Per-cell counts of the objects of one time bucket and round still in the window, for
+    SWARM's N: expired objects decrement N (§4.2.2), and a new partition is seeded with its
+    cells' objects. Counts, not objects: memory grows with the cells hit, not the rate."""
 
     bucket: int
     arrived: int  # the worker's fold count when they arrived
     cx: I32
     cy: I32
+    n: I32
+
+    def add(self, cx: I32, cy: I32, n: I32, nx: int) -> None:
+        """Fold more counts in (same bucket and round), merging equal cells."""
+        cid = np.concatenate([self.cy.astype(np.int64) * nx + self.cx,
+                              cy.astype(np.int64) * nx + cx])
+        cells, inv = np.unique(cid, return_inverse=True)
+        counts = np.bincount(inv, weights=np.concatenate([self.n, n]))
+        self.cx, self.cy = (cells % nx).astype(np.int32), (cells // nx).astype(np.int32)
+        self.n = counts.astype(np.int32)
+
+    def select(self, mask: np.ndarray[Any, np.dtype[np.bool_]]) -> WindowPiece:
+        return WindowPiece(self.bucket, self.arrived, self.cx[mask], self.cy[mask],
+                           self.n[mask])
+
+
+def cell_counts(cx: Any, cy: Any, nx: int) -> tuple[I32, I32, I32]:
+    cells, counts = np.unique(np.asarray(cy, dtype=np.int64) * nx + cx, return_counts=True)
+    return ((cells % nx).astype(np.int32), (cells // nx).astype(np.int32),
+            counts.astype(np.int32))
 
 
 @dataclass
@@ -643,21 +664,26 @@ class Executor:
         assert self.index is not None
         lon = np.asarray(cols["lon"], dtype=np.float64)[keep]
         lat = np.asarray(cols["lat"], dtype=np.float64)[keep]
-        cx, cy = self.index.grid.cells_of(lon, lat)
-        cx, cy = cx.astype(np.int32), cy.astype(np.int32)
-        self.window.append(WindowPiece(int(time.time() // self.settings.bucket_s),
-                                       self.folds, cx, cy))
-        self._stats_apply(cx, cy, lambda st, x, y: st.add_objects(x, y))
+        grid = self.index.grid
+        cx, cy, n = cell_counts(*grid.cells_of(lon, lat), grid.nx)
+        bucket = int(time.time() // self.settings.bucket_s)
+        last = self.window[-1] if self.window else None
+        if last is not None and (last.bucket, last.arrived) == (bucket, self.folds):
+            last.add(cx, cy, n, grid.nx)
+        else:
+            self.window.append(WindowPiece(bucket, self.folds, cx, cy, n))
+        self._stats_apply(cx, cy, n, lambda st, x, y, c: st.add_objects(np.repeat(x, c),
+                                                                         np.repeat(y, c)))
 
-    def _stats_apply(self, cx: I32, cy: I32, fn: Any) -> None:
-        """Call fn(stats, cx, cy) per owned partition with the cells that fall inside it."""
+    def _stats_apply(self, cx: I32, cy: I32, n: I32, fn: Any) -> None:
+        """Call fn(stats, cx, cy, n) per owned partition with the cells inside it."""
         assert self.index is not None
         part = self.index.cell_part[cy, cx]
         for pi in np.unique(part).tolist():
             stats = self.stats.get(self.index.partitions[pi].id)
             if stats is not None:
                 sel = part == pi
-                fn(stats, cx[sel], cy[sel])
+                fn(stats, cx[sel], cy[sel], n[sel])
 
     def _expire_window(self, now: float) -> None:
         """Objects that left the window decrement N (§4.2.2)."""
@@ -665,8 +691,8 @@ class Executor:
         while self.window and self.window[0].bucket < horizon:
             piece = self.window.popleft()
             if piece.cx.size and self.index is not None:
-                self._stats_apply(piece.cx, piece.cy, lambda st, x, y, a=piece.arrived:
-                                  st.expire_objects(x, y, arrived_round=a))
+                self._stats_apply(piece.cx, piece.cy, piece.n, lambda st, x, y, c, a=piece.arrived:
+                                  st.expire_objects(x, y, arrived_round=a, count=c))
         cutoff = now - TOMBSTONE_S
         for sid in [s for s, t in self.tombstones.items() if t < cutoff]:
             del self.tombstones[sid]
@@ -692,7 +718,8 @@ class Executor:
                 sel = ((piece.cx >= p.x0) & (piece.cx <= p.x1)
                        & (piece.cy >= p.y0) & (piece.cy <= p.y1))
                 if sel.any():
-                    stats.seed_objects(piece.cx[sel], piece.cy[sel], arrived_round=piece.arrived)
+                    stats.seed_objects(piece.cx[sel], piece.cy[sel], arrived_round=piece.arrived,
+                                       count=piece.n[sel])
             for sid, (x0, y0, x1, y1) in self.sub_rect.items():
                 if p.x0 <= x1 and x0 <= p.x1 and p.y0 <= y1 and y0 <= p.y1:
                     arrived = stats.seed_query(x0, y0, x1, y1)
@@ -801,10 +828,11 @@ class Executor:
         for pid in msg["parts"]:
             # seen early in a plan reload: seed it again, now with what the handoff brings
             self.stats.pop(pid, None)
-        for bucket, age, cx, cy in msg["win"]:
+        for bucket, age, cx, cy, n in msg["win"]:
             self.window.append(WindowPiece(int(bucket), self.folds - int(age),
                                            np.asarray(cx, dtype=np.int32),
-                                           np.asarray(cy, dtype=np.int32)))
+                                           np.asarray(cy, dtype=np.int32),
+                                           np.asarray(n, dtype=np.int32)))
         self.handle_subs_added(msg["subs"], pipe)
         self._sync_stats()
         for tenant, objs in msg["mv"].items():
@@ -855,7 +883,8 @@ class Executor:
                 sel = inside_cells(piece.cx, piece.cy)
                 if sel.any():
                     win.append([piece.bucket, self.folds - piece.arrived,
-                                piece.cx[sel].tolist(), piece.cy[sel].tolist()])
+                                piece.cx[sel].tolist(), piece.cy[sel].tolist(),
+                                piece.n[sel].tolist()])
                     win_masks[k] |= sel
             mv: dict[str, list[Any]] = {}
             for tenant, state in self.knn.items():
@@ -876,10 +905,7 @@ class Executor:
             pieces = list(self.window)
             self.window.clear()
             for piece, gone in zip(pieces, win_masks, strict=True):
-                if gone.any():
-                    piece = WindowPiece(piece.bucket, piece.arrived, piece.cx[~gone],
-                                        piece.cy[~gone])
-                self.window.append(piece)
+                self.window.append(piece.select(~gone) if gone.any() else piece)
         self._sync_stats()
         if leaving:
             pipe = self.redis.pipeline(transaction=True)
@@ -975,7 +1001,8 @@ class Executor:
                 parts = []
                 for p in plan.partitions:
                     parts.extend([low, high] if p.id == pid else [p])
-                new_plan = Plan(version=plan.version + 1, grid=plan.grid, partitions=parts)
+                new_plan = Plan(version=plan.version + 1, grid=plan.grid, partitions=parts,
+                                members=plan.members)
                 new_plan.validate()
             else:
                 split = balance.Split(axis, at, moved, 0.0)

@@ -349,7 +349,7 @@ def merge(p: Partition, q: Partition, new_id: str) -> Partition:
 
 
 def _next_plan(plan: Plan, parts: list[Partition]) -> Plan:
-    new = Plan(version=plan.version + 1, grid=plan.grid, partitions=parts)
+    new = Plan(version=plan.version + 1, grid=plan.grid, partitions=parts, members=plan.members)
     new.validate()
     return new
 

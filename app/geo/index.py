@@ -85,6 +85,9 @@ class Plan:
     version: int
     grid: Grid
     partitions: list[Partition] = field(default_factory=list)
+    members: list[str] = field(default_factory=list)
+    """Every worker of the cluster, also those that own no partition right now: they still
+    hold kNN and keyword subscriptions and, as parents, data of partitions they gave away."""
 
     def validate(self) -> None:
         """Raise ValueError unless the partitions tile the grid exactly (no gap, no overlap)."""
@@ -110,6 +113,7 @@ class Plan:
             "version": self.version,
             "grid": self.grid.to_dict(),
             "partitions": [p.to_dict() for p in self.partitions],
+            "members": list(self.members),
         }
 
     def to_json(self) -> str:
@@ -121,6 +125,7 @@ class Plan:
             version=int(d["version"]),
             grid=Grid.from_dict(d["grid"]),
             partitions=[Partition.from_dict(p) for p in d["partitions"]],
+            members=[str(w) for w in d.get("members", [])],
         )
 
     @classmethod
@@ -160,7 +165,7 @@ def initial_plan(grid: Grid, workers: list[str], version: int = 1) -> Plan:
         Partition(id=f"p{i}", x0=r[0], y0=r[1], x1=r[2], y1=r[3], worker=w)
         for i, (r, w) in enumerate(zip(rects, workers, strict=True))
     ]
-    plan = Plan(version=version, grid=grid, partitions=parts)
+    plan = Plan(version=version, grid=grid, partitions=parts, members=list(workers))
     plan.validate()
     return plan
 
@@ -180,7 +185,9 @@ class GlobalIndex:
         self.cell_part: IntArray = np.full((self.grid.ny, self.grid.nx), -1, dtype=np.int32)
         for i, p in enumerate(self.partitions):
             self.cell_part[p.y0 : p.y1 + 1, p.x0 : p.x1 + 1] = i
-        self.workers: list[str] = list(dict.fromkeys(p.worker for p in self.partitions))
+        # Members first (stable indices), then any owner the member list lacks.
+        self.workers: list[str] = list(dict.fromkeys(
+            [*plan.members, *(p.worker for p in self.partitions)]))
         widx = {w: i for i, w in enumerate(self.workers)}
         self.part_worker: IntArray = np.array(
             [widx[p.worker] for p in self.partitions], dtype=np.int32

@@ -152,7 +152,12 @@ class PartitionStats:
         self.cols.N_new += np.bincount(x, minlength=self.cols.k)
 
     def expire_objects(
-        self, cx: npt.ArrayLike, cy: npt.ArrayLike, *, arrived_round: npt.ArrayLike
+        self,
+        cx: npt.ArrayLike,
+        cy: npt.ArrayLike,
+        *,
+        arrived_round: npt.ArrayLike,
+        count: npt.ArrayLike | None = None,
     ) -> None:
         """Objects that left the window (§4.2.2 last paragraph): take back what they add now.
 
@@ -160,19 +165,34 @@ class PartitionStats:
         it is in N with weight 2**-(round - arrived_round - 1) (it was folded in at fold
         arrived_round + 1 and has been halved since), removed from the cumulative N of its
         row and every later row (column likewise). R is left alone: the object was received.
+        `count` (default 1 each) lets one entry stand for several objects of one cell.
         """
+        self._shift_objects(cx, cy, arrived_round, count, -1)
+
+    def _shift_objects(
+        self,
+        cx: npt.ArrayLike,
+        cy: npt.ArrayLike,
+        arrived_round: npt.ArrayLike,
+        count: npt.ArrayLike | None,
+        sign: int,
+    ) -> None:
         x, y = self._local_cells(cx, cy)
         arrived = np.broadcast_to(_as_i64(arrived_round), x.shape)
+        n = np.ones(x.shape, dtype=np.int64) if count is None else np.broadcast_to(
+            _as_i64(count), x.shape)
         if (arrived > self.round).any():
             raise ValueError(f"arrived_round after the current round {self.round}")
         cur = arrived == self.round
-        self.rows.N_new -= np.bincount(y[cur], minlength=self.rows.k)
-        self.cols.N_new -= np.bincount(x[cur], minlength=self.cols.k)
+        if cur.any():
+            for a, idx in ((self.rows, y), (self.cols, x)):
+                a.N_new += sign * np.bincount(idx[cur], weights=n[cur], minlength=a.k).astype(
+                    np.int64)
         old = ~cur
         if old.any():
-            w = np.exp2(-(self.round - arrived[old] - 1).astype(np.float64))
-            self.rows.N -= np.cumsum(np.bincount(y[old], weights=w, minlength=self.rows.k))
-            self.cols.N -= np.cumsum(np.bincount(x[old], weights=w, minlength=self.cols.k))
+            w = n[old] * np.exp2(-(self.round - arrived[old] - 1).astype(np.float64))
+            for a, idx in ((self.rows, y), (self.cols, x)):
+                a.N += sign * np.cumsum(np.bincount(idx[old], weights=w, minlength=a.k))
 
     def _clip(self, x0: int, y0: int, x1: int, y1: int) -> tuple[int, int, int, int]:
         """Query cell rectangle clipped to the partition, in local indices."""
@@ -237,24 +257,18 @@ class PartitionStats:
     # -- seeding (a partition created by a split, merge or move, §5.1) ----------------------
 
     def seed_objects(
-        self, cx: npt.ArrayLike, cy: npt.ArrayLike, *, arrived_round: npt.ArrayLike
+        self,
+        cx: npt.ArrayLike,
+        cy: npt.ArrayLike,
+        *,
+        arrived_round: npt.ArrayLike,
+        count: npt.ArrayLike | None = None,
     ) -> None:
         """Objects of the window that arrived before this partition existed (they lived in its
         parent): counted as if this partition had seen them arrive, so N is continuous across a
         split or move and `expire_objects` later takes back exactly what this adds.
         `arrived_round` may be negative (older than this worker's first fold)."""
-        x, y = self._local_cells(cx, cy)
-        arrived = np.broadcast_to(_as_i64(arrived_round), x.shape)
-        if (arrived > self.round).any():
-            raise ValueError(f"arrived_round after the current round {self.round}")
-        cur = arrived == self.round
-        self.rows.N_new += np.bincount(y[cur], minlength=self.rows.k)
-        self.cols.N_new += np.bincount(x[cur], minlength=self.cols.k)
-        old = ~cur
-        if old.any():
-            w = np.exp2(-(self.round - arrived[old] - 1).astype(np.float64))
-            self.rows.N += np.cumsum(np.bincount(y[old], weights=w, minlength=self.rows.k))
-            self.cols.N += np.cumsum(np.bincount(x[old], weights=w, minlength=self.cols.k))
+        self._shift_objects(cx, cy, arrived_round, count, 1)
 
     def seed_query(self, x0: int, y0: int, x1: int, y1: int) -> int:
         """A live query that predates this partition: in Q and spanQ as if folded in a past

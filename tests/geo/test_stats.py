@@ -196,3 +196,55 @@ def test_add_objects_vectorised_equals_one_by_one() -> None:
         b.add_objects(x, y)
     assert (a.rows.N_new == b.rows.N_new).all() and (a.cols.N_new == b.cols.N_new).all()
     assert int(a.rows.N_new.sum()) == int(a.cols.N_new.sum()) == 500
+
+
+def test_add_queries_vectorised_equals_one_by_one() -> None:
+    rng = np.random.default_rng(8)
+    p = Partition("p", 10, 20, 29, 34, "w")
+    x0, y0 = rng.integers(0, 30, 400), rng.integers(5, 35, 400)
+    x1, y1 = x0 + rng.integers(0, 15, 400), y0 + rng.integers(0, 12, 400)
+    keep = (x1 >= 10) & (y1 >= 20)  # overlapping the partition
+    x0, y0, x1, y1 = x0[keep], y0[keep], x1[keep], y1[keep]
+    a, b = PartitionStats(p), PartitionStats(p)
+    a.add_queries(x0, y0, x1, y1)
+    for r in zip(x0.tolist(), y0.tolist(), x1.tolist(), y1.tolist(), strict=True):
+        b.add_query(*r)
+    for name in ("Q_new", "spanQ_new"):
+        for axis in ("x", "y"):
+            assert (getattr(a.axis(axis), name) == getattr(b.axis(axis), name)).all()
+    a.add_queries([], [], [], [])  # nothing: a no-op
+    with pytest.raises(ValueError):
+        a.add_queries([0], [0], [9], [9])
+
+
+@given(st.integers(0, 2**32 - 1), st.integers(1, 6))
+@settings(max_examples=60, deadline=None)
+def test_seeded_partition_equals_one_that_saw_the_objects(seed: int, rounds: int) -> None:
+    """A partition created later (split, move) and seeded with the window's objects, as
+    per-cell counts, has the statistics of one that received them; expiring them (counts)
+    takes back exactly the same from both."""
+    rng = np.random.default_rng(seed)
+    p = Partition("p", 3, 5, 12, 11, "w")
+    lived = PartitionStats(p)
+    log: list[tuple[int, np.ndarray, np.ndarray]] = []
+    for r in range(rounds + 1):
+        x = rng.integers(p.x0, p.x1 + 1, 40)
+        y = rng.integers(p.y0, p.y1 + 1, 40)
+        lived.add_objects(x, y)
+        log.append((r, x, y))
+        if r < rounds:
+            lived.fold()
+    seeded = PartitionStats(p, round=lived.round)
+    for r, x, y in log:
+        cells, count = np.unique(np.stack([x, y]), axis=1, return_counts=True)
+        seeded.seed_objects(cells[0], cells[1], arrived_round=r, count=count)
+    for a in ("rows", "cols"):
+        np.testing.assert_allclose(getattr(seeded, a).N, getattr(lived, a).N)
+        assert (getattr(seeded, a).N_new == getattr(lived, a).N_new).all()
+    for r, x, y in log[::2]:
+        lived.expire_objects(x, y, arrived_round=r)
+        cells, count = np.unique(np.stack([x, y]), axis=1, return_counts=True)
+        seeded.expire_objects(cells[0], cells[1], arrived_round=r, count=count)
+    for a in ("rows", "cols"):
+        np.testing.assert_allclose(getattr(seeded, a).N, getattr(lived, a).N, atol=1e-9)
+        assert (getattr(seeded, a).N_new == getattr(lived, a).N_new).all()
