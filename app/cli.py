@@ -1,4 +1,4 @@
-"""The `geoswarm` command: dev, api, worker, migrate, keys, bench."""
+"""The `geoswarm` command: dev, api, worker, coordinator, migrate, keys, bench."""
 
 from __future__ import annotations
 
@@ -138,6 +138,23 @@ def worker(
             server.stop()
 
 
+@app.command()
+def coordinator() -> None:
+    """Run SWARM's Coordinator: load-balancing rounds and the admin API's rebalance requests.
+    Run any number; one leads (a Redis lease), the others stand by and take over."""
+    from app.coordinator import run_coordinator
+    from app.core.redis import resolve_redis_url
+
+    _logging()
+    settings = get_settings()
+    url, server = resolve_redis_url(settings)
+    try:
+        run_coordinator(settings, url)
+    finally:
+        if server is not None:
+            server.stop()
+
+
 # --- dev: the whole system in one command ------------------------------------------------
 
 class Pool:
@@ -223,7 +240,7 @@ def dev(
     workers: Annotated[int, typer.Option(help="executor worker processes")] = 2,
     api_processes: Annotated[int, typer.Option(help="api processes sharing the port")] = 1,
 ) -> None:
-    """The whole system on embedded defaults: Redis, SQLite, api, workers."""
+    """The whole system on embedded defaults: Redis, SQLite, api, workers, coordinator."""
     import asyncio
 
     from app.core.migrate import upgrade_head
@@ -265,6 +282,7 @@ def dev(
         pool = Pool(env)
         for name in names:
             pool.spawn(name, [*exe, "worker", "--id", name])
+        pool.spawn("coordinator", [*exe, "coordinator"])
         pool.spawn("api", [*exe, "api", "--host", host, "--port", str(port), "--no-migrate",
                            "--processes", str(api_processes)])
         base = f"http://{host}:{port}"
@@ -288,16 +306,19 @@ def dev(
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def bench(
     ctx: typer.Context,
-    name: Annotated[str, typer.Argument(help="matcher | pipeline")],
+    name: Annotated[str, typer.Argument(help="matcher | pipeline | swarm")],
 ) -> None:
-    """Benchmarks (bench/): `matcher` (the evaluator index against brute force) or `pipeline`
-    (the whole system over HTTP and WebSockets). `geoswarm bench NAME --help` lists options."""
+    """Benchmarks (bench/): `matcher` (the evaluator index against brute force), `pipeline`
+    (the whole system over HTTP and WebSockets) or `swarm` (SWARM §6.2: SWARM against its
+    baselines through hotspots). `geoswarm bench NAME --help` lists options."""
     if name == "matcher":
         from bench.matcher import main as bench_main
     elif name == "pipeline":
         from bench.pipeline import main as bench_main
+    elif name == "swarm":
+        from bench.swarm import main as bench_main
     else:
-        typer.echo(f"unknown benchmark {name!r}: choose matcher or pipeline", err=True)
+        typer.echo(f"unknown benchmark {name!r}: choose matcher, pipeline or swarm", err=True)
         raise typer.Exit(2)
     bench_main(list(ctx.args))
 

@@ -55,6 +55,9 @@ class LiveServer:
     def start_worker(self, wid: str) -> subprocess.Popen[bytes]:
         return self.spawn(wid, ["worker", "--id", wid])
 
+    def start_coordinator(self, name: str = "coord") -> subprocess.Popen[bytes]:
+        return self.spawn(name, ["coordinator"])
+
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         proc = self.procs[name]
         proc.send_signal(sig)

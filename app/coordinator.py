@@ -1,0 +1,735 @@
+"""SWARM's Coordinator (§4.3.1, Figures 8-10): one leader, elected by a Redis lease, runs the
+periodic load-balancing rounds (collect every worker's report, R(S) and C(m), step the decision
+pointer of Figure 9, ask the costliest worker mH to shed load to the cheapest mL, next mH when it
+cannot; merge adjacent partitions now and then) and serves the admin API's manual requests.
+
+The wire formats are app/pipeline/control.py's; the workers do the plan changes themselves.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+import secrets
+import signal
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+import redis
+from sqlalchemy.exc import SQLAlchemyError
+
+from app.core.config import Settings
+from app.core.db import make_engine, make_sessionmaker, session_scope
+from app.core.redis import sync_client
+from app.geo.balance import Decision, DecisionPointer, mergeable
+from app.geo.index import Partition, Plan
+from app.models import BalancerRound
+from app.pipeline import control as C
+from app.pipeline import records as R
+
+log = logging.getLogger(__name__)
+
+COMMAND_MAXLEN = 10_000  # approximate MAXLEN of a worker's command stream
+REPORT_POLL_S = 0.05
+REPORT_TTL_S = 3600
+REPLY_TTL_S = 60
+REQUEST_BLOCK_MAX_S = 0.5  # longest BLPOP on the request list: config and lease are re-read
+MERGE_EVERY = 4  # merge adjacent partitions every 4th round in which nothing moved
+MIN_PERIOD_S = 0.1
+LEASE_SAFETY = 0.8
+"""The leader acts only until this fraction of the TTL has passed since its last successful
+renewal was *sent*: Redis expires the lease no earlier than the full TTL after it received the
+renewal, so a standby cannot hold it while this process still believes it leads."""
+LEASE_SOCKET_TIMEOUT_S = 2.0
+STOP_GRACE_S = 2.0  # after SIGTERM, how much longer to wait for a reply to a command sent
+
+# Compare-and-pexpire / compare-and-delete on the lease. Renewal: 1 renewed, 0 another holder,
+# -1 nobody (it lapsed: this process was not scheduled, or Redis was slow, for a whole TTL).
+RENEW_SCRIPT = """
+local holder = redis.call('GET', KEYS[1])
+if holder == ARGV[1] then
+  return redis.call('PEXPIRE', KEYS[1], ARGV[2])
+end
+if not holder then return -1 end
+return 0
+"""
+RELEASE_SCRIPT = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('DEL', KEYS[1])
+end
+return 0
+"""
+# The leader's writes that others act on are fenced by the lease: a coordinator that lost it
+# (paused, partitioned) cannot start a round, send a command or overwrite the state. nil = lost.
+FENCED_INCR = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return false end
+return redis.call('INCR', KEYS[2])
+"""
+FENCED_XADD = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return false end
+return redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[2], '*', 'm', ARGV[3])
+"""
+FENCED_SET = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return false end
+return redis.call('SET', KEYS[2], ARGV[2])
+"""
+# New partition ids never collide with the current plan's: PART_SEQ is first raised to the
+# largest "p<n>" in it (the initial plan's p0..p<k-1> are not allocated from PART_SEQ).
+# KEYS[1] = PART_SEQ; ARGV[1] = floor, ARGV[2] = count. Returns the last id's number.
+ALLOCATE_IDS = """
+local cur = tonumber(redis.call('GET', KEYS[1]) or '0')
+if cur < tonumber(ARGV[1]) then redis.call('SET', KEYS[1], ARGV[1]) end
+return redis.call('INCRBY', KEYS[1], ARGV[2])
+"""
+
+
+class LostLease(Exception):
+    """This coordinator is no longer the leader: stop acting at once."""
+
+
+@dataclass(frozen=True)
+class BalancerConfig:
+    """`BALANCER_CONFIG` (the admin API's PUT /v1/admin/balancer changes it live)."""
+
+    enabled: bool
+    period_s: float
+    beta: int
+
+    @property
+    def lease_ttl_s(self) -> float:
+        return max(1.0, self.period_s)
+
+    @property
+    def report_timeout_s(self) -> float:
+        return min(max(1.0, self.period_s / 2), 10.0)
+
+    @property
+    def reply_timeout_s(self) -> float:
+        return max(5.0, self.period_s)
+
+    def to_json(self) -> bytes:
+        return orjson.dumps(dataclasses.asdict(self))
+
+
+@dataclass
+class RoundRecord:
+    """One `BalancerRound` row in the making."""
+
+    round: int
+    started_at: float
+    kind: str  # auto | manual
+    stage: str
+    decision: str  # nothing | rebalance | skipped | manual
+    r_s: float = 0.0
+    costs: dict[str, Any] = field(default_factory=dict)
+    mh: str | None = None
+    ml: str | None = None
+    action: str = "none"  # none | move | split | merge
+    details: dict[str, Any] = field(default_factory=dict)
+    plan_version: int | None = None
+    duration_ms: float = 0.0
+
+
+def _loads(raw: bytes | str | None) -> Any:
+    if raw is None:
+        return None
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return None
+
+
+def _number(v: object) -> float | None:
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        return None
+    f = float(v)
+    return f if math.isfinite(f) else None
+
+
+def _reply_ok(reply: dict[str, Any]) -> bool:
+    return reply.get("ok") is not False and "error" not in reply
+
+
+def _max_id_number(plan: Plan) -> int:
+    best = 0
+    for p in plan.partitions:
+        if p.id.startswith("p") and p.id[1:].isdigit():
+            best = max(best, int(p.id[1:]))
+        if p.parent and p.parent.startswith("p") and p.parent[1:].isdigit():
+            best = max(best, int(p.parent[1:]))
+    return best
+
+
+class Lease:
+    """Leadership by a Redis lease (SET NX PX), kept by a thread: the leader renews it every
+    TTL/3 (compare-and-pexpire), a standby tries to take it every TTL/4. A failed or refused
+    renewal ends the leadership at once; `held()` is what the acting thread checks."""
+
+    def __init__(self, client: Any, owner: str, stop: threading.Event) -> None:
+        self.redis = client
+        self.id = owner
+        self.stop = stop
+        self.ttl_s = 1.0  # set by the coordinator from the config
+        self.term = 0  # incremented on each acquisition
+        self._held = False
+        self._valid_until = 0.0
+        self._renew = client.register_script(RENEW_SCRIPT)
+        self._release = client.register_script(RELEASE_SCRIPT)
+        self._thread = threading.Thread(target=self._run, name="lease", daemon=True)
+
+    def held(self) -> bool:
+        return self._held and time.monotonic() < self._valid_until
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def join(self) -> None:
+        if self._thread.is_alive():
+            self._thread.join(LEASE_SOCKET_TIMEOUT_S + 1)
+
+    def _ttl_ms(self) -> int:
+        return int(self.ttl_s * 1000)
+
+    def _renewed(self, sent: float) -> None:
+        self._valid_until = sent + self.ttl_s * LEASE_SAFETY
+
+    def lose(self, why: str) -> None:
+        self._held = False
+        self._valid_until = 0.0
+        log.warning("coordinator %s lost the lease: %s", self.id, why)
+
+    def try_acquire(self) -> bool:
+        sent = time.monotonic()
+        ttl_ms = self._ttl_ms()
+        # SET NX; or the lease is still ours (a renewal that failed on our side only).
+        if self.redis.set(C.LEASE_KEY, self.id, nx=True, px=ttl_ms) or int(
+            self._renew(keys=[C.LEASE_KEY], args=[self.id, ttl_ms])
+        ) == 1:
+            self._renewed(sent)
+            self.term += 1
+            self._held = True
+            log.info("coordinator %s holds the lease (term %d)", self.id, self.term)
+            return True
+        return False
+
+    def renew(self) -> None:
+        sent = time.monotonic()
+        done = int(self._renew(keys=[C.LEASE_KEY], args=[self.id, self._ttl_ms()]))
+        if done == 1:
+            self._renewed(sent)
+        elif done == 0:
+            self.lose("another coordinator holds it")
+        else:  # a new term at once if still free; the state is reloaded (others may have led)
+            self.lose("it lapsed before this renewal")
+            self.try_acquire()
+
+    def _run(self) -> None:
+        while not self.stop.is_set():
+            try:
+                if self._held:
+                    self.renew()
+                else:
+                    self.try_acquire()
+            except (redis.RedisError, OSError) as exc:
+                if self._held:
+                    self.lose(f"renewal failed ({exc})")
+            self.stop.wait(self.ttl_s / 3 if self._held else self.ttl_s / 4)
+
+    def release(self) -> None:
+        """Compare-and-delete (after the thread has stopped), so a standby takes over at once."""
+        self._held = False
+        try:
+            if int(self._release(keys=[C.LEASE_KEY], args=[self.id])) == 1:
+                log.info("coordinator %s released the lease", self.id)
+        except (redis.RedisError, OSError) as exc:
+            log.warning("coordinator %s could not release the lease: %s", self.id, exc)
+
+
+class Coordinator:
+    """SWARM's Coordinator process: `run()` until SIGTERM (warm) or a second signal (cold)."""
+
+    def __init__(self, settings: Settings, redis_url: str) -> None:
+        self.settings = settings
+        self.id = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
+        # redis-py's reply types are unions of every RESP shape; treat replies as Any here.
+        self.redis: Any = sync_client(redis_url, socket_timeout=30)
+        self.stop = threading.Event()
+        self.lease = Lease(sync_client(redis_url, socket_timeout=LEASE_SOCKET_TIMEOUT_S),
+                           self.id, self.stop)
+        self._incr = self.redis.register_script(FENCED_INCR)
+        self._xadd = self.redis.register_script(FENCED_XADD)
+        self._set = self.redis.register_script(FENCED_SET)
+        self._allocate = self.redis.register_script(ALLOCATE_IDS)
+        self.engine = make_engine(settings)
+        self.sessions = make_sessionmaker(self.engine)
+        self.defaults = BalancerConfig(enabled=settings.partitioning == "swarm",
+                                       period_s=settings.balance_period_s,
+                                       beta=settings.balance_beta)
+        self.config = self.defaults
+        self._bad_config: bytes | None = None
+        # Leader state, (re)loaded from BALANCER_STATE on every acquisition of the lease.
+        self.term = 0
+        self.pointer = DecisionPointer(beta=settings.balance_beta)
+        self.state: dict[str, Any] = {}
+        self.last_round_at = 0.0
+        self.quiet_rounds = 0
+        self.signals = 0
+        self.stopped_at = 0.0
+
+    # --- lifecycle -----------------------------------------------------------------------
+    def run(self) -> None:
+        signal.signal(signal.SIGTERM, self._on_signal)
+        signal.signal(signal.SIGINT, self._on_signal)
+        try:
+            self.config = self.read_config()
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            log.warning("coordinator %s: redis unavailable (%s)", self.id, exc)
+        self.lease.ttl_s = self.config.lease_ttl_s
+        self.lease.start()
+        log.info("coordinator %s started (partitioning=%s); standing by for the lease",
+                 self.id, self.settings.partitioning)
+        try:
+            while not self.stop.is_set():
+                try:
+                    self.step()
+                except LostLease as exc:
+                    log.warning("coordinator %s stopped acting: %s", self.id, exc)
+                    self.term = 0  # a round may have been cut short: reload the saved state
+                except (redis.ConnectionError, redis.TimeoutError) as exc:
+                    log.warning("coordinator %s: redis unavailable (%s); retrying", self.id, exc)
+                    self.term = 0
+                    self.stop.wait(0.5)
+        finally:
+            self.stop.set()
+            self.lease.join()
+            self.lease.release()
+            self.engine.dispose()
+            log.info("coordinator %s stopped", self.id)
+
+    def _on_signal(self, signum: int, _frame: Any) -> None:
+        self.signals += 1
+        if self.signals > 1:  # second signal: cold stop (the lease expires by itself)
+            os._exit(1)
+        self.stopped_at = time.monotonic()
+        self.stop.set()
+
+    def step(self) -> None:
+        """One turn of the loop: a round when due, else wait for an admin request."""
+        cfg = self.config = self.read_config()
+        self.lease.ttl_s = cfg.lease_ttl_s
+        if not self.lease.held():
+            self.stop.wait(min(0.1, cfg.lease_ttl_s / 4))
+            return
+        if self.lease.term != self.term:
+            self.take_over(cfg)
+        self.pointer.beta = cfg.beta
+        now = time.time()
+        due_at = self.last_round_at + cfg.period_s
+        if cfg.enabled and now >= due_at:
+            self.run_round("auto", cfg)
+            return
+        block = min(REQUEST_BLOCK_MAX_S, due_at - now) if cfg.enabled else REQUEST_BLOCK_MAX_S
+        item = self.redis.blpop([C.REQUESTS_KEY], timeout=max(0.01, block))
+        if item is not None:
+            self.handle_request(item[1], cfg)
+
+    def refused(self) -> LostLease:
+        """A fenced write found another owner in the lease key: stop acting now (the lease
+        thread tries to acquire it again as a standby)."""
+        self.lease.lose("a fenced write found another coordinator's id")
+        return LostLease("another coordinator holds the lease")
+
+    def check(self) -> None:
+        if not self.lease.held() or self.lease.term != self.term:
+            raise LostLease("the lease lapsed")
+
+    def take_over(self, cfg: BalancerConfig) -> None:
+        """Become the acting leader: continue from the persisted pointer and schedule."""
+        self.term = self.lease.term
+        state = _loads(self.redis.get(C.BALANCER_STATE))
+        self.state = state if isinstance(state, dict) else {}
+        try:
+            self.pointer = DecisionPointer.from_dict(self.state["pointer"])
+        except (KeyError, TypeError, ValueError):
+            self.pointer = DecisionPointer(beta=cfg.beta)
+        self.pointer.beta = cfg.beta
+        now = time.time()
+        last = _number(self.state.get("last_round_at"))
+        # No state yet: the first round one period from now (workers are still starting).
+        self.last_round_at = now if last is None or last > now else last
+        quiet = self.state.get("quiet_rounds")
+        self.quiet_rounds = quiet if isinstance(quiet, int) else 0
+        self.state["leader"] = self.id
+        self.save_state()
+        log.info("coordinator %s is the leader (last round %s, stage %s, decision %s)", self.id,
+                 self.state.get("round"), self.pointer.stage.name, self.pointer.decision.value)
+
+    # --- config and state ----------------------------------------------------------------
+    def read_config(self) -> BalancerConfig:
+        raw = self.redis.get(C.BALANCER_CONFIG)
+        if raw is None:
+            self.redis.set(C.BALANCER_CONFIG, self.defaults.to_json(), nx=True)
+            raw = self.redis.get(C.BALANCER_CONFIG)
+            if raw is None:
+                return self.defaults
+        d = _loads(raw)
+        try:
+            if not isinstance(d, dict):
+                raise ValueError("not a JSON object")
+            enabled = d.get("enabled", self.defaults.enabled)
+            period = _number(d.get("period_s", self.defaults.period_s))
+            beta = d.get("beta", self.defaults.beta)
+            if not isinstance(enabled, bool):
+                raise ValueError("enabled must be true or false")
+            if period is None or period <= 0:
+                raise ValueError("period_s must be a positive number")
+            if isinstance(beta, bool) or not isinstance(beta, int) or beta < 1:
+                raise ValueError("beta must be an integer >= 1")
+        except ValueError as exc:
+            if raw != self._bad_config:
+                log.warning("ignoring invalid %s (%s): %r", C.BALANCER_CONFIG, exc, raw)
+                self._bad_config = raw
+            return self.config
+        return BalancerConfig(enabled=enabled, period_s=max(MIN_PERIOD_S, period), beta=beta)
+
+    def save_state(self) -> None:
+        self.state["pointer"] = self.pointer.to_dict()
+        self.state["stage"] = self.pointer.stage.name
+        self.state["leader"] = self.id
+        self.state["last_round_at"] = self.last_round_at
+        self.state["quiet_rounds"] = self.quiet_rounds
+        done = self._set(keys=[C.LEASE_KEY, C.BALANCER_STATE],
+                         args=[self.id, orjson.dumps(self.state)])
+        if done is None:
+            raise self.refused()
+
+    # --- redis helpers ---------------------------------------------------------------------
+    def live_workers(self, now: float | None = None) -> list[str]:
+        now = time.time() if now is None else now
+        live = []
+        for wid, raw in self.redis.hgetall(R.WORKERS_KEY).items():
+            info = _loads(raw)
+            beat = _number(info.get("heartbeat")) if isinstance(info, dict) else None
+            if beat is not None and now - beat <= self.settings.worker_dead_after_s:
+                live.append(wid.decode() if isinstance(wid, bytes) else str(wid))
+        return sorted(live)
+
+    def plan(self) -> Plan | None:
+        raw = self.redis.get(R.PLAN_KEY)
+        return None if raw is None else Plan.from_json(raw)
+
+    def plan_version(self) -> int | None:
+        d = _loads(self.redis.get(R.PLAN_KEY))
+        return int(d["version"]) if isinstance(d, dict) and "version" in d else None
+
+    def next_round(self) -> int:
+        n = self._incr(keys=[C.LEASE_KEY, C.ROUND_SEQ], args=[self.id])
+        if n is None:
+            raise self.refused()
+        return int(n)
+
+    def new_ids(self, plan: Plan, count: int) -> list[str]:
+        last = int(self._allocate(keys=[C.PART_SEQ], args=[_max_id_number(plan), count]))
+        return C.partition_ids(last - count + 1, count)
+
+    def send(self, worker: str, msg: dict[str, Any]) -> None:
+        self.check()
+        entry = self._xadd(keys=[C.LEASE_KEY, C.command_stream(worker)],
+                           args=[self.id, COMMAND_MAXLEN, R.pack(msg)])
+        if entry is None:
+            raise self.refused()
+
+    def wait_reply(self, token: str, timeout: float) -> dict[str, Any] | None:
+        """The worker's JSON reply, or None after `timeout` s (short BLPOPs: the lease is
+        checked in between)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.stop.is_set():  # warm stop: a short grace for the answer, not the timeout
+                deadline = min(deadline, self.stopped_at + STOP_GRACE_S)
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return None
+            item = self.redis.blpop([C.reply_key(token)], timeout=max(0.01, min(0.5, remaining)))
+            if item is not None:
+                reply = _loads(item[1])
+                return reply if isinstance(reply, dict) else {"ok": False,
+                                                               "error": "unreadable reply"}
+            self.check()
+
+    def command(self, worker: str, msg: dict[str, Any], cfg: BalancerConfig
+                ) -> dict[str, Any] | None:
+        """Send a command that wants a reply; its deadline and reply token are added here."""
+        token = secrets.token_hex(8)
+        msg = {**msg, "deadline": time.time() + cfg.report_timeout_s, "reply": token}
+        self.send(worker, msg)
+        return self.wait_reply(token, cfg.reply_timeout_s)
+
+    def collect_reports(self, n: int, live: list[str], timeout: float
+                        ) -> dict[str, dict[str, Any]]:
+        key = C.report_key(n)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and not self.stop.is_set():
+            if self.redis.hlen(key) >= len(live):
+                got = {k.decode() for k in self.redis.hkeys(key)}
+                if got.issuperset(live):
+                    break
+            self.check()
+            time.sleep(REPORT_POLL_S)
+        raw = self.redis.hgetall(key)
+        self.redis.expire(key, REPORT_TTL_S)
+        reports: dict[str, dict[str, Any]] = {}
+        for k, v in raw.items():
+            rep = _loads(v)
+            wid = k.decode()
+            if (wid in live and isinstance(rep, dict) and _number(rep.get("num")) is not None
+                    and _number(rep.get("R")) is not None):
+                reports[wid] = rep
+        return reports
+
+    # --- rounds (§4.3.1) -------------------------------------------------------------------
+    def run_round(self, kind: str, cfg: BalancerConfig) -> RoundRecord:
+        started = time.time()
+        t0 = time.monotonic()
+        n = self.next_round()
+        self.last_round_at = started
+        rec = RoundRecord(round=n, started_at=started, kind=kind,
+                          stage=self.pointer.stage.name, decision="skipped",
+                          details={"leader": self.id})
+        live = self.live_workers(started)
+        if not live:
+            rec.details["reason"] = "no live workers"
+        else:
+            for w in live:
+                self.send(w, {"t": "round", "n": n})
+            reports = self.collect_reports(n, live, cfg.report_timeout_s)
+            missing = [w for w in live if w not in reports]
+            if missing:
+                rec.details["missing"] = missing
+                if self.stop.is_set():
+                    rec.details["reason"] = "coordinator stopping"
+            else:
+                self.decide(rec, reports, cfg)
+        self.check()
+        rec.plan_version = self.plan_version()
+        rec.duration_ms = (time.monotonic() - t0) * 1000
+        self.state["round"] = n
+        self.state["last_decision"] = rec.decision
+        self.save_state()
+        self.record(rec)
+        log.info("round %d (%s): R(S)=%.6g decision=%s stage=%s action=%s mH=%s mL=%s "
+                 "plan v%s, %.0f ms", n, kind, rec.r_s, rec.decision, rec.stage, rec.action,
+                 rec.mh, rec.ml, rec.plan_version, rec.duration_ms)
+        return rec
+
+    def decide(self, rec: RoundRecord, reports: dict[str, dict[str, Any]],
+               cfg: BalancerConfig) -> None:
+        """R(S) (Eqn 4), C(m) = Num(C(m)) / R(S) (Eqn 7), the pointer's step and its action."""
+        r_s = sum(float(rep["R"]) for rep in reports.values())
+        costs = {w: float(rep["num"]) / r_s if r_s > 0 else 0.0
+                 for w, rep in sorted(reports.items())}
+        decision = self.pointer.step(r_s)
+        rec.r_s, rec.costs = r_s, dict(costs)
+        rec.decision, rec.stage = decision.value, self.pointer.stage.name
+        rec.details["received"] = {w: reports[w]["R"] for w in costs}
+        if self.pointer.forced:
+            rec.details["forced"] = True
+        self.state.update(r_s=r_s, costs=costs, reports_at=time.time())
+        if self.settings.partitioning != "swarm":
+            rec.details["reason"] = f"partitioning={self.settings.partitioning}"
+            return
+        if decision is Decision.REBALANCE:
+            self.rebalance(rec, costs, r_s, cfg)
+        if rec.action == "none":
+            self.quiet_rounds += 1
+            if self.quiet_rounds % MERGE_EVERY == 0:
+                self.merge(rec, cfg)
+
+    def rebalance(self, rec: RoundRecord, costs: dict[str, float], r_s: float,
+                  cfg: BalancerConfig) -> None:
+        """Figure 10: mL the cheapest worker; mH the costliest, then the next costliest while
+        the one asked finds no feasible reduction (or refuses, or does not answer)."""
+        if len(costs) < 2:
+            rec.details["reason"] = "fewer than two workers"
+            return
+        ml = min(costs, key=lambda w: (costs[w], w))
+        rec.ml = ml
+        attempts: list[dict[str, Any]] = []
+        rec.details["attempts"] = attempts
+        for mh in sorted((w for w in costs if w != ml), key=lambda w: (-costs[w], w)):
+            if costs[mh] <= costs[ml] or self.stop.is_set():
+                break
+            plan = self.plan()
+            if plan is None:
+                rec.details["reason"] = "no plan"
+                break
+            owned = sum(p.worker == mh for p in plan.partitions)
+            if owned == 0:
+                attempts.append({"mh": mh, "reply": {"ok": False, "error": "no partitions"}})
+                continue
+            rec.mh = rec.mh or mh
+            ids = self.new_ids(plan, owned + 2)
+            reply = self.command(mh, {"t": "reduce", "n": rec.round, "to": ml,
+                                      "c_ml": costs[ml], "r_s": r_s, "ids": ids,
+                                      "version": plan.version}, cfg)
+            attempts.append({"mh": mh, "ids": ids,
+                             "reply": reply or {"ok": False, "error": "timeout"}})
+            if reply is not None and _reply_ok(reply) and reply.get("action") in ("move",
+                                                                                   "split"):
+                rec.mh, rec.action = mh, str(reply["action"])
+                return
+
+    def merge(self, rec: RoundRecord, cfg: BalancerConfig) -> None:
+        """§4.3.1's occasional merge: each worker with adjacent partitions forming a rectangle
+        merges them, one worker at a time (each merge is a new plan version)."""
+        plan = self.plan()
+        if plan is None:
+            return
+        workers = sorted({_worker_of(plan.partitions, a) for a, _b in mergeable(plan.partitions)})
+        merges: list[dict[str, Any]] = []
+        for w in workers:
+            plan = self.plan()
+            if plan is None or self.stop.is_set():
+                break
+            mine = [p for p in plan.partitions if p.worker == w]
+            if not mergeable(mine):
+                continue
+            ids = self.new_ids(plan, len(mine) - 1)
+            reply = self.command(w, {"t": "merge", "ids": ids, "version": plan.version}, cfg)
+            merges.append({"worker": w, "ids": ids,
+                           "reply": reply or {"ok": False, "error": "timeout"}})
+            if reply is not None and _reply_ok(reply) and reply.get("action") != "none":
+                rec.action = "merge"
+        if merges:
+            rec.details["merges"] = merges
+
+    def record(self, rec: RoundRecord) -> None:
+        try:
+            with session_scope(self.sessions) as session:
+                session.add(BalancerRound(**dataclasses.asdict(rec)))
+        except SQLAlchemyError:
+            log.exception("could not record balancer round %d", rec.round)
+
+    # --- admin requests (control.py: REQUESTS_KEY) ------------------------------------------
+    def handle_request(self, raw: bytes, cfg: BalancerConfig) -> None:
+        req = _loads(raw)
+        token = req.get("id") if isinstance(req, dict) else None
+        if not isinstance(req, dict) or not isinstance(token, str) or not token:
+            log.warning("dropping an unreadable admin request: %r", raw)
+            return
+        if not self.lease.held() or self.lease.term != self.term:
+            self.redis.lpush(C.REQUESTS_KEY, raw)  # for the next leader
+            raise LostLease("the lease lapsed")
+        try:
+            reply = self.serve(req, cfg)
+        except LostLease:
+            self.reply(token, {"status": 503, "error": "the coordinator lost its lease; retry"})
+            raise
+        except Exception as exc:
+            try:  # the API is waiting: answer before the error ends this turn (or the process)
+                self.reply(token, {"status": 503, "error": f"coordinator error: {exc}"})
+            except redis.RedisError:
+                pass
+            raise
+        self.reply(token, reply)
+
+    def reply(self, token: str, body: dict[str, Any]) -> None:
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.rpush(C.reply_key(token), orjson.dumps(body))
+        pipe.expire(C.reply_key(token), REPLY_TTL_S)
+        pipe.execute()
+
+    def serve(self, req: dict[str, Any], cfg: BalancerConfig) -> dict[str, Any]:
+        kind = req.get("kind")
+        if kind == "round":
+            rec = self.run_round("manual", cfg)
+            return {"status": 202, "round": rec.round, "action": rec.action,
+                    "details": rec.details}
+        if kind not in ("move", "split"):
+            return {"status": 422, "error": f"unknown request kind {kind!r}"}
+        if self.settings.partitioning == "replicated":
+            return {"status": 409, "error": "partitions cannot be moved or split with "
+                                            "partitioning=replicated"}
+        plan = self.plan()
+        pid = req.get("partition")
+        part = next((p for p in plan.partitions if p.id == pid), None) if plan else None
+        if plan is None or part is None:
+            return {"status": 404, "error": f"partition {pid} not found"}
+        live = self.live_workers()
+        owner = part.worker
+        if kind == "move":
+            to = req.get("to")
+            if not isinstance(to, str) or to not in live:
+                return {"status": 404, "error": f"worker {to} not found or not alive"}
+            if to == owner:
+                return {"status": 409, "error": f"partition {pid} already belongs to {to}"}
+        else:
+            error = _split_error(part, req.get("axis"), req.get("at"))
+            if error:
+                return {"status": 422, "error": error}
+        if owner not in live:
+            return {"status": 503, "error": f"worker {owner} (owner of {pid}) is not alive"}
+        started = time.time()
+        t0 = time.monotonic()
+        n = self.next_round()
+        if kind == "move":
+            msg: dict[str, Any] = {"t": "move", "partitions": [part.id], "to": req["to"],
+                                   "ids": self.new_ids(plan, 1), "version": plan.version}
+        else:
+            msg = {"t": "split", "partition": part.id, "axis": req["axis"], "at": req["at"],
+                   "moved": None, "to": owner, "ids": self.new_ids(plan, 2),
+                   "version": plan.version}
+        reply = self.command(owner, msg, cfg)
+        rec = RoundRecord(round=n, started_at=started, kind="manual",
+                          stage=self.pointer.stage.name, decision="manual",
+                          r_s=float(self.state.get("r_s") or 0.0),
+                          costs=dict(self.state.get("costs") or {}), mh=owner,
+                          ml=msg["to"] if kind == "move" else None,
+                          details={"leader": self.id, "request": req,
+                                   "command": {k: v for k, v in msg.items() if k != "reply"},
+                                   "reply": reply})
+        if reply is None:
+            out = {"status": 503,
+                   "error": f"worker {owner} did not answer within {cfg.reply_timeout_s:g} s"}
+        elif _reply_ok(reply):
+            rec.action = str(reply.get("action", kind))
+            out = {"status": 202, "round": n, "action": rec.action,
+                   "details": reply.get("details")}
+        else:
+            out = {"status": 409, "error": str(reply.get("error", "refused"))}
+        self.check()
+        rec.plan_version = self.plan_version()
+        rec.duration_ms = (time.monotonic() - t0) * 1000
+        self.state["round"] = n
+        self.save_state()
+        self.record(rec)
+        log.info("round %d (manual %s %s): status %s action=%s plan v%s, %.0f ms", n, kind,
+                 pid, out["status"], rec.action, rec.plan_version, rec.duration_ms)
+        return out
+
+
+def _worker_of(partitions: list[Partition], pid: str) -> str:
+    return next(p.worker for p in partitions if p.id == pid)
+
+
+def _split_error(part: Partition, axis: object, at: object) -> str | None:
+    """Why a manual split of `part` is invalid (the low half is cells <= at), or None."""
+    if axis not in ("x", "y"):
+        return "axis must be 'x' or 'y'"
+    if isinstance(at, bool) or not isinstance(at, int):
+        return "at must be an integer grid cell"
+    lo, hi = (part.x0, part.x1) if axis == "x" else (part.y0, part.y1)
+    if lo == hi:
+        return f"partition {part.id} is one cell wide along {axis}; it cannot be split there"
+    if not lo <= at <= hi - 1:
+        return f"at must lie in {lo}..{hi - 1} to split {part.id} along {axis}"
+    return None
+
+
+def run_coordinator(settings: Settings, redis_url: str) -> None:
+    Coordinator(settings, redis_url).run()
