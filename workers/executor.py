@@ -75,16 +75,30 @@ class WindowPiece:
     cy: I32
     n: I32
 
+    pending: list[tuple[I32, I32, I32]] = field(default_factory=list)
+    pending_rows: int = 0
+
     def add(self, cx: I32, cy: I32, n: I32, nx: int) -> None:
-        """Fold more counts in (same bucket and round), merging equal cells."""
-        cid = np.concatenate([self.cy.astype(np.int64) * nx + self.cx,
-                              cy.astype(np.int64) * nx + cx])
+        """More counts of the same bucket and round; merged (equal cells summed) lazily, when
+        enough are pending or before anyone reads the piece (`compact`)."""
+        self.pending.append((cx, cy, n))
+        self.pending_rows += cx.size
+        if self.pending_rows > 4 * self.cx.size + 65536:
+            self.compact(nx)
+
+    def compact(self, nx: int) -> None:
+        if not self.pending:
+            return
+        parts = [(self.cx, self.cy, self.n), *self.pending]
+        cid = np.concatenate([y.astype(np.int64) * nx + x for x, y, _ in parts])
         cells, inv = np.unique(cid, return_inverse=True)
-        counts = np.bincount(inv, weights=np.concatenate([self.n, n]))
+        counts = np.bincount(inv, weights=np.concatenate([c for _, _, c in parts]))
         self.cx, self.cy = (cells % nx).astype(np.int32), (cells // nx).astype(np.int32)
         self.n = counts.astype(np.int32)
+        self.pending, self.pending_rows = [], 0
 
     def select(self, mask: np.ndarray[Any, np.dtype[np.bool_]]) -> WindowPiece:
+        """The cells where `mask` holds (of a compacted piece)."""
         return WindowPiece(self.bucket, self.arrived, self.cx[mask], self.cy[mask],
                            self.n[mask])
 
@@ -690,12 +704,19 @@ class Executor:
         horizon = int((now - self.settings.window_s) // self.settings.bucket_s)
         while self.window and self.window[0].bucket < horizon:
             piece = self.window.popleft()
+            if self.index is not None:
+                piece.compact(self.index.grid.nx)
             if piece.cx.size and self.index is not None:
                 self._stats_apply(piece.cx, piece.cy, piece.n, lambda st, x, y, c, a=piece.arrived:
                                   st.expire_objects(x, y, arrived_round=a, count=c))
         cutoff = now - TOMBSTONE_S
         for sid in [s for s, t in self.tombstones.items() if t < cutoff]:
             del self.tombstones[sid]
+
+    def _compact_window(self) -> None:
+        if self.index is not None:
+            for piece in self.window:
+                piece.compact(self.index.grid.nx)
 
     def _owned(self) -> list[Partition]:
         assert self.index is not None
@@ -708,6 +729,7 @@ class Executor:
         away, created for new ones (split, merged or received) and seeded with the window's
         objects and the live subscriptions that lie in them."""
         owned = {p.id: p for p in self._owned()}
+        self._compact_window()
         for pid in [pid for pid in self.stats if pid not in owned]:
             del self.stats[pid]
         for pid, p in owned.items():
@@ -861,6 +883,7 @@ class Executor:
             by_worker.setdefault(p.worker, []).append(p)
         handoffs: list[tuple[str, bytes]] = []
         leaving: list[tuple[str, list[str]]] = []
+        self._compact_window()
         win_masks: list[np.ndarray[Any, np.dtype[np.bool_]]] = [
             np.zeros(piece.cx.size, dtype=bool) for piece in self.window]
         grid = new_plan.grid
