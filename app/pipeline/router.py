@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import zlib
+from pathlib import Path
 from typing import Any
 
 import msgpack
@@ -15,9 +17,11 @@ import redis.asyncio as aioredis
 
 from app.core.config import Settings
 from app.geo.grid import Grid
+from app.geo.history import history_plan, sample_cells
 from app.geo.index import GlobalIndex, Plan, initial_plan
 from app.models import Subscription
 from app.pipeline import records as R
+from app.pipeline.control import PART_SEQ
 
 log = logging.getLogger(__name__)
 
@@ -61,9 +65,13 @@ async def load_plan(redis: aioredis.Redis) -> Plan | None:
     return None if raw is None else Plan.from_json(raw)
 
 
-def targets_for_spec(index: GlobalIndex, spec: dict[str, Any]) -> set[str]:
+def targets_for_spec(index: GlobalIndex, spec: dict[str, Any],
+                     replicated: bool = False) -> set[str]:
     """Workers that must hold a subscription: those whose partitions its region overlaps;
-    every worker for subscriptions without a region (keyword) and for kNN."""
+    every worker for subscriptions without a region (keyword) and for kNN, and for every
+    subscription in replicated mode (SWARM §6's Replicated baseline)."""
+    if replicated:
+        return set(index.workers)
     if spec["type"] == "range":
         if "bbox" in spec:
             return index.workers_for_bbox(tuple(spec["bbox"]))
@@ -71,6 +79,30 @@ def targets_for_spec(index: GlobalIndex, spec: dict[str, Any]) -> set[str]:
         return {index.plan.partitions[p].worker
                 for p in index.partitions_for_circle(c["lon"], c["lat"], c["radius_m"])}
     return set(index.workers)
+
+
+def replicated_worker_of(tenant: str, object_id: str, n_workers: int) -> int:
+    """Replicated mode: the worker (index into `GlobalIndex.workers`) of a moving object, a
+    stable hash of (tenant, id), the same in every api process, so that one object always
+    lands on one worker (which then sees every position and decides enter/exit alone)."""
+    return zlib.crc32(f"{tenant}\x00{object_id}".encode()) % n_workers
+
+
+def replicated_targets(tenant: str, ids: list[str], moving: list[bool], n_workers: int,
+                       start: int) -> list[int]:
+    """Replicated mode: the worker index of every row of a batch. Moving objects by
+    `replicated_worker_of`; events round-robin from `start` (the router's counter), the j-th
+    event of the batch to (start + j) mod n (SWARM §6: "a new data point is sent to only one
+    executor machine in round-robin fashion")."""
+    out: list[int] = []
+    j = start
+    for oid, mv in zip(ids, moving, strict=True):
+        if mv:
+            out.append(replicated_worker_of(tenant, oid, n_workers))
+        else:
+            out.append(j % n_workers)
+            j += 1
+    return out
 
 
 class Router:
@@ -81,6 +113,8 @@ class Router:
         self._lww = redis.register_script(LWW_SCRIPT)
         self._plan_checked = 0.0
         self._lock = asyncio.Lock()
+        self.replicated = settings.partitioning == "replicated"
+        self._rr = 0  # replicated mode: round-robin position of the next event
 
     # --- the plan ------------------------------------------------------------------------
     async def current_index(self) -> GlobalIndex:
@@ -132,30 +166,22 @@ class Router:
                     o = msgpack.unpackb(old)
                     prev[i] = (o[1], o[2])
                 late[i] = not is_latest
-        lon = np.asarray(batch.lon, dtype=np.float64)
-        lat = np.asarray(batch.lat, dtype=np.float64)
-        part = index.partition_of_points(lon, lat)
-        owner = index.part_worker[part]
         rows_by_worker: dict[int, list[int]] = {}
         exit_only = [False] * n
         decide_exit = [False] * n
         extra: list[tuple[int, int]] = []  # (worker, row) exit-only copies
-        for w in np.unique(owner):
-            rows_by_worker[int(w)] = np.flatnonzero(owner == w).tolist()
-        if moving_rows:
-            # A record whose object left another worker's partition also goes to the owner of
-            # the previous position, which alone decides `exit` (DESIGN: detect).
-            pl = [i for i in moving_rows if prev[i] is not None and not late[i]]
-            if pl:
-                p_prev = index.partition_of_points(
-                    np.asarray([prev[i][0] for i in pl]),  # type: ignore[index]
-                    np.asarray([prev[i][1] for i in pl]))  # type: ignore[index]
-                for i, pp in zip(pl, p_prev.tolist(), strict=True):
-                    w_prev = int(index.part_worker[pp])
-                    if w_prev != owner[i]:
-                        extra.append((w_prev, i))
-                    else:
-                        decide_exit[i] = True
+        if self.replicated:
+            # Every worker holds every subscription: one worker per record, which decides
+            # inside / enter / exit alone (a moving object always goes to the same worker).
+            targets = replicated_targets(batch.tenant, batch.ids, batch.moving,
+                                         len(index.workers), self._rr)
+            self._rr += n - len(moving_rows)
+            for i, w in enumerate(targets):
+                rows_by_worker.setdefault(w, []).append(i)
+            decide_exit = [p is not None for p in prev]
+        else:
+            self._route_by_partition(index, batch, prev, late, moving_rows, rows_by_worker,
+                                     decide_exit, extra)
         sent_at = time.time()
         pipe = self.redis.pipeline(transaction=True)
         for w, rows in rows_by_worker.items():
@@ -171,6 +197,32 @@ class Router:
                     batch, rows, rids, prev, late, xo_true, xo_true, sent_at, index.version)})
         await pipe.execute()
 
+    @staticmethod
+    def _route_by_partition(index: GlobalIndex, batch: R.RecordBatch,
+                            prev: list[tuple[float, float] | None], late: list[bool],
+                            moving_rows: list[int], rows_by_worker: dict[int, list[int]],
+                            decide_exit: list[bool], extra: list[tuple[int, int]]) -> None:
+        """Each record to the owner of its cell; a moving object that left another worker's
+        partition also to the owner of its previous position, which alone decides `exit`."""
+        lon = np.asarray(batch.lon, dtype=np.float64)
+        lat = np.asarray(batch.lat, dtype=np.float64)
+        part = index.partition_of_points(lon, lat)
+        owner = index.part_worker[part]
+        for w in np.unique(owner):
+            rows_by_worker[int(w)] = np.flatnonzero(owner == w).tolist()
+        if moving_rows:
+            pl = [i for i in moving_rows if prev[i] is not None and not late[i]]
+            if pl:
+                p_prev = index.partition_of_points(
+                    np.asarray([prev[i][0] for i in pl]),  # type: ignore[index]
+                    np.asarray([prev[i][1] for i in pl]))  # type: ignore[index]
+                for i, pp in zip(pl, p_prev.tolist(), strict=True):
+                    w_prev = int(index.part_worker[pp])
+                    if w_prev != owner[i]:
+                        extra.append((w_prev, i))
+                    else:
+                        decide_exit[i] = True
+
     async def latest(self, tenant: str, object_id: str) -> dict[str, Any] | None:
         raw = await self.redis.hget(R.positions_key(tenant), object_id)
         if raw is None:
@@ -184,7 +236,7 @@ class Router:
         index = await self.current_index()
         per_worker: dict[str, list[dict[str, Any]]] = {}
         for row in rows:
-            for w in targets_for_spec(index, row.spec):
+            for w in targets_for_spec(index, row.spec, replicated=self.replicated):
                 per_worker.setdefault(w, []).append(subscription_message(row))
         pipe = self.redis.pipeline(transaction=True)
         for w, subs in per_worker.items():
@@ -202,13 +254,57 @@ class Router:
         await self.redis.publish(R.SUBS_CHANNEL, orjson.dumps({reason: [r.id for r in rows]}))
 
 
+# PART_SEQ := max(PART_SEQ, ARGV[1]): new partition ids never reuse one of the plan's.
+PART_SEQ_FLOOR_SCRIPT = """
+local cur = tonumber(redis.call('GET', KEYS[1]) or '-1')
+local floor = tonumber(ARGV[1])
+if cur < floor then
+  redis.call('SET', KEYS[1], floor)
+  return floor
+end
+return cur
+"""
+
+
+def read_history_sample(path: Path, grid: Grid) -> tuple[Any, Any, Any]:
+    """The NDJSON sample of `GEOSWARM_HISTORY_SAMPLE` as cells for `history_plan`."""
+    with path.open("rb") as f:
+        records = (orjson.loads(line) for line in f if line.strip())
+        return sample_cells(grid, records)
+
+
+def make_plan(settings: Settings, workers: list[str], version: int) -> Plan:
+    """The first plan of a worker set for the partitioning mode: SWARM §4.1.1's equal areas
+    (swarm, uniform, replicated — the latter routes by no partition but keeps a valid plan),
+    or the static grid cut by the cost model over a history sample (history)."""
+    grid = grid_of(settings)
+    if settings.partitioning == "history":
+        path = settings.history_sample
+        if path is None or not path.is_file():
+            log.warning("partitioning=history but GEOSWARM_HISTORY_SAMPLE is %s; using the "
+                        "uniform initial plan", "unset" if path is None else f"missing ({path})")
+        else:
+            cx, cy, rects = read_history_sample(path, grid)
+            log.info("history plan from %s: %d objects, %d regions", path, cx.size,
+                     rects.shape[0])
+            return history_plan(grid, workers, cx, cy, rects, version=version)
+    return initial_plan(grid, workers, version=version)
+
+
+def part_seq_floor(plan: Plan) -> int:
+    """The least PART_SEQ for a plan: INCRBY then hands out ids above every id it uses."""
+    nums = [int(p.id[1:]) for p in plan.partitions if p.id[:1] == "p" and p.id[1:].isdigit()]
+    return max([len(plan.partitions), *(n + 1 for n in nums)])
+
+
 async def ensure_plan(redis: aioredis.Redis, settings: Settings, workers: list[str]) -> Plan:
-    """Create the initial plan (SWARM §4.1.1) unless one for the same worker set exists."""
+    """Create the first plan (see `make_plan`) unless one for the same worker set exists, and
+    make sure the partition id counter is past the plan's ids."""
     plan = await load_plan(redis)
-    if plan is not None and sorted({p.worker for p in plan.partitions}) == sorted(workers):
-        return plan
-    version = 1 if plan is None else plan.version + 1
-    plan = initial_plan(grid_of(settings), workers, version=version)
-    await redis.set(R.PLAN_KEY, plan.to_json())
-    await redis.publish(R.PLAN_CHANNEL, str(plan.version))
+    if plan is None or sorted(GlobalIndex(plan).workers) != sorted(workers):
+        version = 1 if plan is None else plan.version + 1
+        plan = make_plan(settings, workers, version)
+        await redis.set(R.PLAN_KEY, plan.to_json())
+        await redis.publish(R.PLAN_CHANNEL, str(plan.version))
+    await redis.eval(PART_SEQ_FLOOR_SCRIPT, 1, PART_SEQ, part_seq_floor(plan))
     return plan
