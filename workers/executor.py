@@ -29,7 +29,7 @@ from app.geo.matcher import SubscriptionIndex, sub_from_spec
 from app.geo.stats import PartitionStats
 from app.pipeline import control as C
 from app.pipeline import records as R
-from app.pipeline.router import targets_for_spec
+from app.pipeline.router import replicated_worker_of, targets_for_spec
 from app.services.subscriptions import all_live
 from workers.knn import MERGE_SCRIPT, KnnState, KnnSub, knn_sub
 
@@ -264,7 +264,8 @@ class Executor:
         finally:
             engine.dispose()
         assert self.index is not None
-        mine = [m for m in msgs if self.id in targets_for_spec(self.index, m["spec"])]
+        mine = [m for m in msgs
+                if self.id in targets_for_spec(self.index, m["spec"], self.replicated)]
         self.handle_subs_added(mine)
         log.info("worker %s rebuilt %d subscriptions from SQL", self.id, len(mine))
 
@@ -284,7 +285,11 @@ class Executor:
                 rest.append((ts, kws))
             if not ids:
                 continue
-            owner = self.index.worker_of_points(np.asarray(lons), np.asarray(lats))
+            if self.replicated:  # objects are spread by a hash of their id (router.py)
+                n = len(self.index.workers)
+                owner = np.asarray([replicated_worker_of(tenant, i, n) for i in ids])
+            else:
+                owner = self.index.worker_of_points(np.asarray(lons), np.asarray(lats))
             state = self._knn_state(tenant)
             for i in np.flatnonzero(owner == me).tolist():
                 state.objects.upsert_moving(ids[i], float(lons[i]), float(lats[i]),

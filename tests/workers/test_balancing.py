@@ -17,7 +17,7 @@ import orjson
 import pytest
 import redis
 
-from app.geo.index import Plan
+from app.geo.index import Plan, initial_plan
 from app.pipeline import control as C
 from app.pipeline import records as R
 from tests.conftest import LiveServer, start_server
@@ -254,3 +254,27 @@ def test_continuous_knn_across_moves(cluster: LiveServer) -> None:
         assert reply is not None and reply["ok"], reply
 
     asyncio.run(_knn(cluster, between))
+
+
+@pytest.mark.parametrize("mode", ["replicated", "history"])
+def test_exact_delivery_in_baseline_modes(mode: str, tmp_path: Any, redis_url: str) -> None:
+    """The comparison modes deliver exactly what the oracle says too: replicated (every
+    subscription on every worker, objects spread by id hash / round-robin, each worker
+    deciding enter/exit alone) and history (a static plan cut from a sample)."""
+    from tests.workers.test_pipeline import _exact_workload
+
+    sample = tmp_path / "sample.ndjson"
+    rng = random.Random(1)
+    sample.write_text("".join(
+        orjson.dumps({"lon": rng.gauss(0.3, 0.3), "lat": rng.gauss(0.2, 0.2)}).decode() + "\n"
+        for _ in range(2000)) + orjson.dumps({"bbox": [0, 0, 0.5, 0.5]}).decode() + "\n")
+    server = start_server(tmp_path, redis_url, workers=3, GEOSWARM_PARTITIONING=mode,
+                          GEOSWARM_HISTORY_SAMPLE=str(sample))
+    try:
+        server.wait_workers(3)
+        if mode == "history":  # the sample's hotspot got more, smaller partitions around it
+            plan = plan_of(server)
+            assert plan.partitions != initial_plan(plan.grid, ["w0", "w1", "w2"]).partitions
+        asyncio.run(_exact_workload(server, seed=17))
+    finally:
+        server.stop()
