@@ -303,10 +303,11 @@ def dev(
     typer.echo("geoswarm stopped")
 
 
-@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True,
+                                "help_option_names": []})
 def bench(
     ctx: typer.Context,
-    name: Annotated[str, typer.Argument(help="matcher | pipeline | swarm")],
+    name: Annotated[str, typer.Argument(help="matcher | pipeline | swarm")] = "--help",
 ) -> None:
     """Benchmarks (bench/): `matcher` (the evaluator index against brute force), `pipeline`
     (the whole system over HTTP and WebSockets) or `swarm` (SWARM §6.2: SWARM against its
@@ -317,6 +318,10 @@ def bench(
         from bench.pipeline import main as bench_main
     elif name == "swarm":
         from bench.swarm import main as bench_main
+    elif name in ("--help", "-h"):
+        # --help is left to the benchmarks (`bench NAME --help`), so answer it here
+        typer.echo(ctx.get_help())
+        return
     else:
         typer.echo(f"unknown benchmark {name!r}: choose matcher, pipeline or swarm", err=True)
         raise typer.Exit(2)
