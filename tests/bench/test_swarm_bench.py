@@ -187,3 +187,20 @@ def test_real_mode_report_and_history_sample(tmp_path: Path,
     assert out["ratios"]["uniform"]["latency_p99_hot"] > 3
     assert 0.8 < out["ratios"]["uniform"]["units_hot"] < 1.25
     assert "SWARM / uniform" in capsys.readouterr().out
+
+
+def test_cli_passes_help_to_the_benchmark() -> None:
+    import subprocess
+    import sys
+
+    from bench.cluster import ROOT
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "app.cli", "bench", *args], cwd=ROOT,
+                              capture_output=True, text=True, timeout=120)
+
+    r = run("swarm", "--help")
+    assert r.returncode == 0 and "--simulate" in r.stdout, r.stdout + r.stderr
+    r = run("--help")
+    assert r.returncode == 0 and "matcher | pipeline | swarm" in r.stdout
+    assert run("nosuch").returncode == 2
