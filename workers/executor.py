@@ -196,6 +196,8 @@ class Executor:
         self.round_received = 0  # objects and subscriptions this round (replicated mode's R)
         self.forwarded = 0
         self.owned_ids: list[str] = []  # for the heartbeat thread (never mutated in place)
+        self.sql_live: set[str] = set()  # subscription ids alive in SQL at the last rebuild
+        self.replaying = False
 
     # --- lifecycle -----------------------------------------------------------------------
     def run(self) -> None:
@@ -264,6 +266,9 @@ class Executor:
         finally:
             engine.dispose()
         assert self.index is not None
+        # Entries replayed after a crash may add subscriptions deleted before it (the
+        # tombstones died with the process): during the replay only these count as live.
+        self.sql_live = {m["id"] for m in msgs}
         mine = [m for m in msgs
                 if self.id in targets_for_spec(self.index, m["spec"], self.replicated)]
         self.handle_subs_added(mine)
@@ -373,6 +378,7 @@ class Executor:
             self._expire_window(now)
 
     def _process(self, entries: list[tuple[bytes, dict[bytes, bytes]]], replay: bool) -> None:
+        self.replaying = replay
         ids = [e[0] for e in entries]
         if replay:
             done = self.redis.mget([R.done_key(self.id, i.decode()) for i in ids])
@@ -504,6 +510,8 @@ class Executor:
         for m in subs:
             if m["id"] in self.tombstones or m["id"] in self.sub_msgs:
                 continue  # deleted already (a late copy), or known
+            if self.replaying and m["id"] not in self.sql_live:
+                continue  # a pre-crash copy of a subscription deleted since
             spec = m["spec"]
             self.sub_msgs[m["id"]] = m
             rect = self._rect_of(spec)
