@@ -9,7 +9,7 @@ from functools import lru_cache
 from importlib.resources import files
 
 from fastapi import APIRouter
-from fastapi.responses import HTMLResponse
+from fastapi.responses import HTMLResponse, Response
 
 router = APIRouter(tags=["admin"])
 
@@ -34,3 +34,10 @@ def dashboard_html() -> str:
 async def dashboard() -> HTMLResponse:
     """The operator dashboard: cluster, balancer, partitions map and recent rounds."""
     return HTMLResponse(dashboard_html(), headers=HEADERS)
+
+
+@router.get("/favicon.ico", include_in_schema=False)
+async def favicon() -> Response:
+    """No icon: a browser showing the dashboard asks for one, and a 404 would be logged in its
+    console as an error."""
+    return Response(status_code=204, headers={"Cache-Control": "max-age=86400"})
