@@ -201,7 +201,14 @@ async def _kill_and_resume(server: LiveServer) -> None:
                 listener.messages = first + listener.messages
         await wait_for(lambda: len(listener.matches()) >= oracle.total(), 90)
         await asyncio.sleep(0.5)
-        assert_exact(received_matches(listener.messages), oracle)
+        got = received_matches(listener.messages)
+        if got != oracle.expected:  # say where duplicates came from: one side or the resume
+            before = received_matches(first)
+            after = received_matches(listener.messages[len(first):])
+            print("duplicates before the resume:", +(before - oracle.expected),
+                  "after it:", +(after - oracle.expected), "across it:",
+                  sum((before & after).values()), "resume cursors:", cursors)
+        assert_exact(got, oracle)
         await listener.close()
 
 
