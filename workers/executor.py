@@ -869,6 +869,17 @@ class Executor:
                                            np.asarray(cy, dtype=np.int32),
                                            np.asarray(n, dtype=np.int32)))
         self.handle_subs_added(msg["subs"], pipe)
+        # Statistics that came with a partition moved whole: they already count its live
+        # subscriptions (in Q), so those are only registered here for a later deletion.
+        parts = {p.id: p for p in self._owned()}
+        for pid, exported in (msg.get("stats") or {}).items():
+            if pid not in parts:
+                continue  # moved on again meanwhile
+            stats = self.stats[pid] = PartitionStats.restore(parts[pid], self.folds, exported)
+            p = stats.partition
+            for sid, (x0, y0, x1, y1) in self.sub_rect.items():
+                if p.x0 <= x1 and x0 <= p.x1 and p.y0 <= y1 and y0 <= p.y1:
+                    self.sub_parts.setdefault(sid, []).append((stats, stats.round - 1))
         self._sync_stats()
         for tenant, objs in msg["mv"].items():
             state = self._knn_state(tenant)
@@ -896,6 +907,8 @@ class Executor:
             by_worker.setdefault(p.worker, []).append(p)
         handoffs: list[tuple[str, bytes]] = []
         leaving: list[tuple[str, list[str]]] = []
+        old_rects = {(q.x0, q.y0, q.x1, q.y1): q.id for q in old.partitions
+                     if q.worker == self.id and q.id in self.stats}
         self._compact_window()
         win_masks: list[np.ndarray[Any, np.dtype[np.bool_]]] = [
             np.zeros(piece.cx.size, dtype=bool) for piece in self.window]
@@ -928,9 +941,14 @@ class Executor:
                 if objs:
                     mv[tenant] = objs
                     leaving.append((tenant, [o[0] for o in objs]))
+            # A partition moved whole takes its statistics along (R of the last round
+            # included); the halves of a split are seeded from the window instead.
+            shipped = {p.id: self.stats[old_rects[(p.x0, p.y0, p.x1, p.y1)]].export()
+                       for p in parts if (p.x0, p.y0, p.x1, p.y1) in old_rects}
             handoffs.append((R.worker_stream(w), R.pack({
                 "t": "handoff", "v": new_plan.version, "from": self.id,
-                "parts": [p.id for p in parts], "subs": subs, "win": win, "mv": mv})))
+                "parts": [p.id for p in parts], "subs": subs, "win": win, "mv": mv,
+                "stats": shipped})))
         plan_json = new_plan.to_json()
         keys, args = C.plan_cas_args(old.version, plan_json, new_plan.version, time.time(),
                                      R.PLAN_CHANNEL, handoffs)

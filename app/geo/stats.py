@@ -280,6 +280,30 @@ class PartitionStats:
             a.spanQ[first + 1 : last + 1] += 1
         return self.round - 1
 
+    # -- moving a partition whole to another worker (§5.1: its metadata travels) ------------
+
+    FIELDS = ("N", "Q", "R", "spanQ", "preSpanQ", "N_new", "Q_new", "spanQ_new")
+
+    def export(self) -> dict[str, dict[str, list[float] | list[int]]]:
+        """Every row and column array, as plain lists (for a handoff message)."""
+        return {name: {f: getattr(a, f).tolist() for f in self.FIELDS}
+                for name, a in (("rows", self.rows), ("cols", self.cols))}
+
+    @classmethod
+    def restore(
+        cls, partition: Partition, round: int, data: dict[str, dict[str, list[float] | list[int]]]
+    ) -> PartitionStats:
+        """The statistics `export` wrote, for the same cell rectangle on another worker whose
+        fold count is `round`."""
+        out = cls(partition, round=round)
+        for name, a in (("rows", out.rows), ("cols", out.cols)):
+            for f in cls.FIELDS:
+                arr = np.asarray(data[name][f], dtype=np.float64 if f == "N" else np.int64)
+                if arr.shape != (a.k,):
+                    raise ValueError(f"{name}.{f} has {arr.size} values, expected {a.k}")
+                setattr(a, f, arr)
+        return out
+
     # -- end of round ----------------------------------------------------------------------
 
     def fold(self) -> None:

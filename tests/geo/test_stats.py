@@ -248,3 +248,24 @@ def test_seeded_partition_equals_one_that_saw_the_objects(seed: int, rounds: int
     for a in ("rows", "cols"):
         np.testing.assert_allclose(getattr(seeded, a).N, getattr(lived, a).N, atol=1e-9)
         assert (getattr(seeded, a).N_new == getattr(lived, a).N_new).all()
+
+
+def test_export_restore_round_trip() -> None:
+    """A partition moved whole keeps its statistics on the new worker, whatever that worker's
+    fold count; a mismatched shape is refused."""
+    rng = np.random.default_rng(4)
+    p = Partition("p", 0, 0, 9, 6, "w")
+    a = PartitionStats(p)
+    for _ in range(3):
+        a.add_objects(rng.integers(0, 10, 50), rng.integers(0, 7, 50))
+        a.add_query(1, 1, 5, 4)
+        a.fold()
+    a.add_objects([3], [2])
+    b = PartitionStats.restore(Partition("q", 0, 0, 9, 6, "v"), 17, a.export())
+    assert b.round == 17 and b.totals() == a.totals()
+    for axis in ("x", "y"):
+        for at in range(b.offset(axis), b.offset(axis) + b.axis(axis).k - 1):
+            assert b.split_counts(axis, at) == a.split_counts(axis, at)
+    assert int(b.rows.N_new.sum()) == 1
+    with pytest.raises(ValueError):
+        PartitionStats.restore(Partition("r", 0, 0, 3, 6, "v"), 0, a.export())
