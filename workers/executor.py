@@ -673,11 +673,9 @@ class Executor:
     def _count_query(self, sid: str, rect: Rect) -> None:
         """A new subscription: the collectors of every owned partition it overlaps."""
         self.round_received += 1
-        x0, y0, x1, y1 = rect
         for stats in self.stats.values():
-            p = stats.partition
-            if p.x0 <= x1 and x0 <= p.x1 and p.y0 <= y1 and y0 <= p.y1:
-                stats.add_query(x0, y0, x1, y1)
+            if stats.partition.overlaps(*rect):
+                stats.add_query(*rect)
                 self.sub_parts.setdefault(sid, []).append((stats, stats.round))
 
     def _count_objects(self, cols: dict[str, list[Any]]) -> None:
@@ -699,8 +697,7 @@ class Executor:
             last.add(cx, cy, n, grid.nx)
         else:
             self.window.append(WindowPiece(bucket, self.folds, cx, cy, n))
-        self._stats_apply(cx, cy, n, lambda st, x, y, c: st.add_objects(np.repeat(x, c),
-                                                                         np.repeat(y, c)))
+        self._stats_apply(cx, cy, n, lambda st, x, y, c: st.add_objects(x, y, c))
 
     def _stats_apply(self, cx: I32, cy: I32, n: I32, fn: Any) -> None:
         """Call fn(stats, cx, cy, n) per owned partition with the cells inside it."""
@@ -731,6 +728,10 @@ class Executor:
             for piece in self.window:
                 piece.compact(self.index.grid.nx)
 
+    def _subs_over(self, p: Partition) -> list[tuple[str, Rect]]:
+        """The subscriptions held here whose cells overlap partition p."""
+        return [(sid, rect) for sid, rect in self.sub_rect.items() if p.overlaps(*rect)]
+
     def _owned(self) -> list[Partition]:
         assert self.index is not None
         if self.replicated:
@@ -750,15 +751,13 @@ class Executor:
                 continue
             stats = self.stats[pid] = PartitionStats(p, round=self.folds)
             for piece in self.window:
-                sel = ((piece.cx >= p.x0) & (piece.cx <= p.x1)
-                       & (piece.cy >= p.y0) & (piece.cy <= p.y1))
+                sel = p.contains_cells(piece.cx, piece.cy)
                 if sel.any():
                     stats.seed_objects(piece.cx[sel], piece.cy[sel], arrived_round=piece.arrived,
                                        count=piece.n[sel])
-            for sid, (x0, y0, x1, y1) in self.sub_rect.items():
-                if p.x0 <= x1 and x0 <= p.x1 and p.y0 <= y1 and y0 <= p.y1:
-                    arrived = stats.seed_query(x0, y0, x1, y1)
-                    self.sub_parts.setdefault(sid, []).append((stats, arrived))
+            for sid, rect in self._subs_over(p):
+                arrived = stats.seed_query(*rect)
+                self.sub_parts.setdefault(sid, []).append((stats, arrived))
         self.owned_ids = sorted(self.stats)
 
     def _report(self, round_no: int) -> None:
@@ -876,10 +875,8 @@ class Executor:
             if pid not in parts:
                 continue  # moved on again meanwhile
             stats = self.stats[pid] = PartitionStats.restore(parts[pid], self.folds, exported)
-            p = stats.partition
-            for sid, (x0, y0, x1, y1) in self.sub_rect.items():
-                if p.x0 <= x1 and x0 <= p.x1 and p.y0 <= y1 and y0 <= p.y1:
-                    self.sub_parts.setdefault(sid, []).append((stats, stats.round - 1))
+            for sid, _rect in self._subs_over(stats.partition):
+                self.sub_parts.setdefault(sid, []).append((stats, stats.round - 1))
         self._sync_stats()
         for tenant, objs in msg["mv"].items():
             state = self._knn_state(tenant)
@@ -917,16 +914,15 @@ class Executor:
             def inside_cells(cx: Any, cy: Any, parts: list[Partition] = parts) -> Any:
                 m = np.zeros(np.shape(cx), dtype=bool)
                 for p in parts:
-                    m |= (cx >= p.x0) & (cx <= p.x1) & (cy >= p.y0) & (cy <= p.y1)
+                    m |= p.contains_cells(cx, cy)
                 return m
 
             def inside(lon: Any, lat: Any, f: Any = inside_cells) -> Any:
                 return f(*grid.cells_of(lon, lat))
 
-            subs = [self.sub_msgs[sid] for sid, (x0, y0, x1, y1) in self.sub_rect.items()
+            subs = [self.sub_msgs[sid] for sid, rect in self.sub_rect.items()
                     if self.sub_msgs[sid]["spec"]["type"] == "range"
-                    and any(p.x0 <= x1 and x0 <= p.x1 and p.y0 <= y1 and y0 <= p.y1
-                            for p in parts)]
+                    and any(p.overlaps(*rect) for p in parts)]
             win = []
             for k, piece in enumerate(self.window):
                 sel = inside_cells(piece.cx, piece.cy)

@@ -14,7 +14,7 @@ import numpy.typing as npt
 
 from app.geo.geometry import circle_bbox
 from app.geo.grid import Grid
-from app.geo.index import Partition, Plan
+from app.geo.index import Partition, Plan, check_workers
 from app.geo.stats import Axis, PartitionStats
 
 I64 = npt.NDArray[np.int64]
@@ -126,12 +126,7 @@ def history_plan(
     rectangles (x0, y0, x1, y1) of the sample queries (clipped to the grid here). The region of
     k workers is cut in two sides for k1 = k//2 and k - k1 workers (`_best_cut`), recursively.
     """
-    if not workers:
-        raise ValueError("need at least one worker")
-    if len(set(workers)) != len(workers):
-        raise ValueError("duplicate worker names")
-    if len(workers) > grid.n_cells:
-        raise ValueError("more workers than grid cells")
+    check_workers(grid, workers)
     cx = np.clip(np.atleast_1d(np.asarray(obj_cx, dtype=np.int64)), 0, grid.nx - 1)
     cy = np.clip(np.atleast_1d(np.asarray(obj_cy, dtype=np.int64)), 0, grid.ny - 1)
     if cx.shape != cy.shape:

@@ -52,6 +52,15 @@ class Partition:
     def contains_cell(self, x: int, y: int) -> bool:
         return self.x0 <= x <= self.x1 and self.y0 <= y <= self.y1
 
+    def contains_cells(self, cx: npt.ArrayLike, cy: npt.ArrayLike) -> npt.NDArray[np.bool_]:
+        """Vectorised `contains_cell`."""
+        x, y = np.asarray(cx), np.asarray(cy)
+        return (x >= self.x0) & (x <= self.x1) & (y >= self.y0) & (y <= self.y1)
+
+    def overlaps(self, x0: int, y0: int, x1: int, y1: int) -> bool:
+        """Whether the inclusive cell rectangle shares a cell with the partition."""
+        return self.x0 <= x1 and x0 <= self.x1 and self.y0 <= y1 and y0 <= self.y1
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "id": self.id,
@@ -147,14 +156,19 @@ def split_rect(
     return (x0, y0, x1, m), (x0, m + 1, x1, y1)
 
 
-def initial_plan(grid: Grid, workers: list[str], version: int = 1) -> Plan:
-    """SWARM §4.1.1 initial layout: halve the largest partition until each worker has one."""
+def check_workers(grid: Grid, workers: list[str]) -> None:
+    """Raise ValueError unless `workers` can each get a partition of `grid`."""
     if not workers:
         raise ValueError("need at least one worker")
     if len(set(workers)) != len(workers):
         raise ValueError("duplicate worker names")
     if len(workers) > grid.n_cells:
         raise ValueError("more workers than grid cells")
+
+
+def initial_plan(grid: Grid, workers: list[str], version: int = 1) -> Plan:
+    """SWARM §4.1.1 initial layout: halve the largest partition until each worker has one."""
+    check_workers(grid, workers)
     rects: list[tuple[int, int, int, int]] = [(0, 0, grid.nx - 1, grid.ny - 1)]
     while len(rects) < len(workers):
         areas = [(r[2] - r[0] + 1) * (r[3] - r[1] + 1) for r in rects]

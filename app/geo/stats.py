@@ -145,11 +145,12 @@ class PartitionStats:
             raise ValueError(f"cells outside partition {p.id}")
         return x, y
 
-    def add_objects(self, cx: npt.ArrayLike, cy: npt.ArrayLike) -> None:
-        """New objects in cells (cx, cy): N′ of each object's row and of its column, +1 each."""
-        x, y = self._local_cells(cx, cy)
-        self.rows.N_new += np.bincount(y, minlength=self.rows.k)
-        self.cols.N_new += np.bincount(x, minlength=self.cols.k)
+    def add_objects(
+        self, cx: npt.ArrayLike, cy: npt.ArrayLike, count: npt.ArrayLike | None = None
+    ) -> None:
+        """New objects in cells (cx, cy): N′ of each object's row and of its column, +1 each
+        (+`count` each when one entry stands for several objects of one cell)."""
+        self._shift_objects(cx, cy, self.round, count, 1)
 
     def expire_objects(
         self,

@@ -16,15 +16,13 @@ import httpx
 import pytest
 
 from tests.conftest import LiveServer, start_server
-from tests.workers.harness import Listener, wait_for
-from tests.workers.oracle import Oracle, received_matches
-from tests.workers.test_balancing import owner, plan_of
+from tests.workers.harness import wait_for
+from tests.workers.oracle import received_matches
+from tests.workers.test_balancing import open_tenant, owner, plan_of
 from tests.workers.test_pipeline import (
     WORDS,
     assert_exact,
-    create_subs,
     publish,
-    random_subs,
 )
 
 pytestmark = pytest.mark.slow
@@ -68,13 +66,8 @@ async def _stream(server: LiveServer, seed: int, batches: int, during: Any) -> N
     """Publish `batches` batches along a hotspot moving west to east, calling
     `during(i)` (in a thread) after each batch; then check exact delivery."""
     rng = random.Random(seed)
-    key = server.new_key()
-    oracle = Oracle()
     async with httpx.AsyncClient(base_url=server.base_url, timeout=30) as client:
-        await create_subs(client, key, random_subs(rng, 150), oracle)
-        listener = Listener(server.ws_url, key)
-        await listener.connect()
-        await listener.listen(all=True)
+        key, oracle, listener = await open_tenant(server, client, rng, 150)
         movers = [f"taxi-{i}" for i in range(25)]
         clock = [1_700_000_000.0]
         for i in range(batches):

@@ -72,15 +72,22 @@ def command(server: LiveServer, worker: str, msg: dict[str, Any], timeout: float
     return None if got is None else orjson.loads(got[1])
 
 
-async def _moves_during_burst(server: LiveServer, seed: int) -> None:
-    rng = random.Random(seed)
+async def open_tenant(server: LiveServer, client: httpx.AsyncClient, rng: random.Random,
+                      n_subs: int) -> tuple[str, Oracle, Listener]:
+    """A new tenant with `n_subs` random subscriptions and a WebSocket listening to all."""
     key = server.new_key()
     oracle = Oracle()
+    await create_subs(client, key, random_subs(rng, n_subs), oracle)
+    listener = Listener(server.ws_url, key)
+    await listener.connect()
+    await listener.listen(all=True)
+    return key, oracle, listener
+
+
+async def _moves_during_burst(server: LiveServer, seed: int) -> None:
+    rng = random.Random(seed)
     async with httpx.AsyncClient(base_url=server.base_url, timeout=30) as client:
-        await create_subs(client, key, random_subs(rng, 150), oracle)
-        listener = Listener(server.ws_url, key)
-        await listener.connect()
-        await listener.listen(all=True)
+        key, oracle, listener = await open_tenant(server, client, rng, 150)
         movers = [f"car-{i}" for i in range(30)]
         clock = [1_700_000_000.0]
         versions = [plan_of(server).version]
@@ -148,13 +155,8 @@ async def _paused_owner(server: LiveServer) -> None:
     partition away forwards, on resume, what stale routers sent it; nothing is lost or
     duplicated."""
     rng = random.Random(5)
-    key = server.new_key()
-    oracle = Oracle()
     async with httpx.AsyncClient(base_url=server.base_url, timeout=30) as client:
-        await create_subs(client, key, random_subs(rng, 120), oracle)
-        listener = Listener(server.ws_url, key)
-        await listener.connect()
-        await listener.listen(all=True)
+        key, oracle, listener = await open_tenant(server, client, rng, 120)
         movers = [f"bus-{i}" for i in range(20)]
         clock = [1_700_000_000.0]
         plan = plan_of(server)
