@@ -18,12 +18,12 @@ from prometheus_client import Counter
 from sqlalchemy.exc import DBAPIError, OperationalError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app.api.deps import AppState
 from app.api.routes import admin, dashboard, health, keys, objects, stream, subscriptions
 from app.core.config import Settings, get_settings
 from app.core.db import make_engine, make_sessionmaker
 from app.core.errors import ApiError
 from app.core.redis import async_client
+from app.core.state import AppState
 from app.pipeline.expiry import expiry_loop
 from app.pipeline.hub import Hub
 from app.pipeline.router import Router

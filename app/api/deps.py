@@ -1,39 +1,21 @@
-"""Annotated dependencies: settings, DB session, Redis, the authenticated tenant or admin."""
+"""Annotated dependencies: the process state, the authenticated tenant or admin; the strict
+JSON route class."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Coroutine, Iterator
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Annotated, Any
+from collections.abc import Callable, Coroutine
+from typing import Annotated, Any
 
 import orjson
-import redis.asyncio as aioredis
 from fastapi import Depends, Request, Response, WebSocket
 from fastapi.routing import APIRoute
-from sqlalchemy import Engine
-from sqlalchemy.orm import Session, sessionmaker
 from starlette.concurrency import run_in_threadpool
 
-from app.core.config import Settings
-from app.core.errors import BadRequest, Forbidden, RateLimited, Unauthorized, Unavailable
+from app.core.errors import BadRequest, Forbidden, RateLimited, Unauthorized
 from app.core.security import Principal, bootstrap_principal
+from app.core.state import AppState
 from app.services import keys as key_service
-
-if TYPE_CHECKING:
-    from app.pipeline.hub import Hub
-    from app.pipeline.router import Router
-
-
-@dataclass
-class AppState:
-    settings: Settings
-    engine: Engine
-    sessions: sessionmaker[Session]
-    redis: aioredis.Redis
-    redis_url: str
-    router: Router | None = None
-    hub: Hub | None = None
 
 
 class StrictJSONRequest(Request):
@@ -64,47 +46,11 @@ class StrictJSONRoute(APIRoute):
         return strict_handler
 
 
-async def require_plan(state: AppState) -> None:
-    """503 while there is no partition plan (no worker has started yet)."""
-    if state.router is None:
-        raise Unavailable("the live pipeline is not running", headers={"Retry-After": "1"})
-    try:
-        await state.router.current_index()
-    except RuntimeError:
-        raise Unavailable("no partition plan yet: no worker has started",
-                          headers={"Retry-After": "1"}) from None
-
-
 def get_state(request: Request) -> AppState:
     return request.app.state.gs  # type: ignore[no-any-return]
 
 
 StateDep = Annotated[AppState, Depends(get_state)]
-
-
-def get_settings_dep(state: StateDep) -> Settings:
-    return state.settings
-
-
-SettingsDep = Annotated[Settings, Depends(get_settings_dep)]
-
-
-def get_session(state: StateDep) -> Iterator[Session]:
-    session = state.sessions()
-    try:
-        yield session
-    finally:
-        session.close()
-
-
-SessionDep = Annotated[Session, Depends(get_session)]
-
-
-def get_redis(state: StateDep) -> aioredis.Redis:
-    return state.redis
-
-
-RedisDep = Annotated[aioredis.Redis, Depends(get_redis)]
 
 
 def bearer_token(authorization: str | None) -> str | None:

@@ -10,9 +10,9 @@ import time
 import redis.exceptions
 from starlette.concurrency import run_in_threadpool
 
-from app.api.deps import AppState
 from app.core.db import session_scope
 from app.core.metrics import SUBSCRIPTIONS_DELETED
+from app.core.state import AppState
 from app.models import Subscription
 from app.services import subscriptions as sub_service
 

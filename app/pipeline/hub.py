@@ -23,8 +23,8 @@ from app.core.metrics import WS_CLOSED, WS_CONNECTIONS, WS_MESSAGES
 from app.pipeline import records as R
 
 if TYPE_CHECKING:
-    from app.api.deps import AppState
     from app.core.security import Principal
+    from app.core.state import AppState
 
 log = logging.getLogger(__name__)
 

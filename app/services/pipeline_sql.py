@@ -12,8 +12,8 @@ from typing import Any
 
 from starlette.concurrency import run_in_threadpool
 
-from app.api.deps import AppState, require_plan
 from app.core.metrics import SUBSCRIPTIONS_CREATED, SUBSCRIPTIONS_DELETED
+from app.core.state import AppState, require_plan
 from app.models import Subscription
 
 

@@ -19,8 +19,9 @@ from redis.exceptions import WatchError
 from sqlalchemy import select
 from starlette.concurrency import run_in_threadpool
 
-from app.api.deps import AdminDep, AppState, StateDep, StrictJSONRoute, require_plan
+from app.api.deps import AdminDep, StateDep, StrictJSONRoute
 from app.core.errors import ApiError, Conflict, NotFound, Unavailable
+from app.core.state import AppState, require_plan
 from app.geo.index import GlobalIndex, Partition
 from app.models import BalancerRound
 from app.pipeline import control as C

@@ -10,9 +10,10 @@ from fastapi import APIRouter, Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import TypeAdapter, ValidationError
 
-from app.api.deps import StateDep, StrictJSONRoute, TenantDep, require_plan
+from app.api.deps import StateDep, StrictJSONRoute, TenantDep
 from app.core.errors import BadRequest, NotFound, PayloadTooLarge
 from app.core.metrics import OBJECTS_ACCEPTED, PUBLISH_SECONDS
+from app.core.state import require_plan
 from app.geo.tokenize import normalize_keywords, tokenize
 from app.pipeline.records import RecordBatch, new_event_ids
 from app.schemas import ObjectBatch, ObjectIn, ObjectOut, ObjectsAccepted

@@ -1,0 +1,40 @@
+"""The shared handles of one api process (settings, SQL, Redis, router, hub), built by the
+app's lifespan and read by the routes, the hub and the background loops."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import redis.asyncio as aioredis
+from sqlalchemy import Engine
+from sqlalchemy.orm import Session, sessionmaker
+
+from app.core.config import Settings
+from app.core.errors import Unavailable
+
+if TYPE_CHECKING:
+    from app.pipeline.hub import Hub
+    from app.pipeline.router import Router
+
+
+@dataclass
+class AppState:
+    settings: Settings
+    engine: Engine
+    sessions: sessionmaker[Session]
+    redis: aioredis.Redis
+    redis_url: str
+    router: Router | None = None
+    hub: Hub | None = None
+
+
+async def require_plan(state: AppState) -> None:
+    """503 while there is no partition plan (no worker has started yet)."""
+    if state.router is None:
+        raise Unavailable("the live pipeline is not running", headers={"Retry-After": "1"})
+    try:
+        await state.router.current_index()
+    except RuntimeError:
+        raise Unavailable("no partition plan yet: no worker has started",
+                          headers={"Retry-After": "1"}) from None
