@@ -35,20 +35,22 @@ from workers.knn import MERGE_SCRIPT, KnnState, KnnSub, knn_sub
 
 log = logging.getLogger(__name__)
 
-# One call appends a batch's history entries: KEYS are history streams, ARGV = bucket,
-# tenant, maxlen, ttl, then one packed reference list per key. Returns, per key, the id of
-# the entry before the new one and the new id, so hubs can push the entry directly to a
-# client whose cursor is exactly at that previous entry.
+# One call appends a batch's history entries: KEYS are (history stream, last-id marker)
+# pairs, ARGV = bucket, tenant, maxlen, ttl, marker ttl, then one packed reference list per
+# stream. Each entry records the id of the entry before it (`p`), so a reader can tell a
+# trimmed entry from none. Returns, per stream, that previous id and the new id, so hubs can
+# push the entry directly to a client whose cursor is exactly at the previous entry.
 HISTORY_SCRIPT = """
 local out = {}
-for i = 1, #KEYS do
-  local last = redis.call('XREVRANGE', KEYS[i], '+', '-', 'COUNT', 1)
-  local prev = '0-0'
-  if last[1] then prev = last[1][1] end
+for i = 1, #KEYS / 2 do
+  local stream, marker = KEYS[2 * i - 1], KEYS[2 * i]
+  local prev = redis.call('GET', marker) or '0-0'
+  local id = redis.call('XADD', stream, 'MAXLEN', '~', ARGV[3], '*', 'b', ARGV[1],
+                        't', ARGV[2], 'p', prev, 'm', ARGV[5 + i])
+  redis.call('EXPIRE', stream, ARGV[4])
+  redis.call('SET', marker, id, 'EX', ARGV[5])
   out[2 * i - 1] = prev
-  out[2 * i] = redis.call('XADD', KEYS[i], 'MAXLEN', '~', ARGV[3], '*', 'b', ARGV[1],
-                          't', ARGV[2], 'm', ARGV[4 + i])
-  redis.call('EXPIRE', KEYS[i], ARGV[4])
+  out[2 * i] = id
 end
 return out
 """
@@ -309,9 +311,11 @@ class Executor:
     def _merge_knn(self, tenant: str, subs: list[KnnSub], pipe: Any) -> None:
         for sub in subs:
             local = orjson.dumps([list(n) for n in sub.local])
-            self._merge(keys=[f"gs:knn:{sub.id}", R.history_key(sub.id)],
+            self._merge(keys=[f"gs:knn:{sub.id}", R.history_key(sub.id),
+                              R.history_last_key(sub.id)],
                         args=[self.id, local, sub.k, self.settings.history_max_len,
-                              int(self.settings.history_max_age_s) + 60, tenant],
+                              int(self.settings.history_max_age_s) + 60, tenant,
+                              R.HISTORY_LAST_TTL_S],
                         client=pipe)
 
     def _heartbeat(self) -> None:
@@ -441,9 +445,13 @@ class Executor:
         for tenant, bucket, sub_ids, refs, _records in writes:
             for a in range(0, len(sub_ids), HISTORY_CHUNK):
                 slots.append(len(pipe.command_stack))
-                self._history(keys=[R.history_key(s) for s in sub_ids[a:a + HISTORY_CHUNK]],
+                keys = []
+                for sub in sub_ids[a:a + HISTORY_CHUNK]:
+                    keys += (R.history_key(sub), R.history_last_key(sub))
+                self._history(keys=keys,
                               args=[bucket, tenant, self.settings.history_max_len, ttl,
-                                    *refs[a:a + HISTORY_CHUNK]], client=pipe)
+                                    R.HISTORY_LAST_TTL_S, *refs[a:a + HISTORY_CHUNK]],
+                              client=pipe)
         results = pipe.execute()
         self._notify(writes, [results[i] for i in slots], notify)
         self.redis.xack(self.stream, R.GROUP, *ids)

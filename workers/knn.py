@@ -18,7 +18,8 @@ import numpy as np
 from app.geo.geometry import haversine_m
 
 # KEYS[1] = gs:knn:<sub> (hash: worker -> local list JSON, "_merged" -> ids JSON)
-# KEYS[2] = history stream; ARGV = worker, local list JSON, k, maxlen, ttl, tenant
+# KEYS[2] = history stream, KEYS[3] = its last-id marker (see HISTORY_SCRIPT);
+# ARGV = worker, local list JSON, k, maxlen, ttl, tenant, marker ttl
 MERGE_SCRIPT = """
 redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
 local k = tonumber(ARGV[3])
@@ -44,8 +45,11 @@ if redis.call('HGET', KEYS[1], '_merged') == key then return 0 end
 redis.call('HSET', KEYS[1], '_merged', key)
 local payload = '[]'
 if #top > 0 then payload = cjson.encode(top) end
-redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[4], '*', 'k', payload, 't', ARGV[6])
+local prev = redis.call('GET', KEYS[3]) or '0-0'
+local id = redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[4], '*', 'k', payload, 't', ARGV[6],
+                      'p', prev)
 redis.call('EXPIRE', KEYS[2], ARGV[5])
+redis.call('SET', KEYS[3], id, 'EX', ARGV[7])
 redis.call('EXPIRE', KEYS[1], 30 * 24 * 3600)
 return 1
 """

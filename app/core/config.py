@@ -50,7 +50,10 @@ class Settings(BaseSettings):
     history_max_age_s: float = 120.0
     ws_queue_max: int = 50_000
     ws_ping_s: float = 20.0
-    ws_max_lag_s: float = 60.0  # a client this far behind the newest matches is closed (1013)
+    # a client whose oldest unread match has waited this long is closed (1013); quiet
+    # subscriptions never count, since nothing of theirs is unread
+    ws_max_lag_s: float = 60.0
+    ws_poll_s: float = 30.0  # safety re-read of every listened history (notifications may be lost)
     ws_send_timeout_s: float = 10.0  # a frame not taken within this closes the socket (1013)
     ws_max_message_bytes: int = 64 * 1024
     ws_allowed_origins: Annotated[list[str], NoDecode] = []  # empty: any Origin

@@ -66,9 +66,34 @@ def format_cursor(eid: str, index: int) -> str:
     return f"{eid}:{index}"
 
 
+WHOLE_ENTRY = 2**31  # an index past the last message of any entry: "all of that entry"
+GAP_MESSAGE = "history before the cursor has been trimmed"
+
+
+def position_cursor(pos: Position) -> str:
+    """The cursor of a (non-start) position: resuming with it continues right after `pos`."""
+    return format_cursor(f"{pos[0]}-{pos[1]}", pos[2])
+
+
+def cursor_after_entry(eid: str) -> str:
+    """The cursor that resumes right after history entry `eid` (which may be trimmed)."""
+    return format_cursor(eid, WHOLE_ENTRY)
+
+
+def gap_line(sub_id: str, cursor: str) -> bytes:
+    """Matches after the client's position were trimmed before it read them; delivery goes on
+    from `cursor` (a client that reconnects resumes with it)."""
+    return orjson.dumps({"type": "gap", "subscription": sub_id, "cursor": cursor,
+                         "message": GAP_MESSAGE})
+
+
 def start_position(server_ms: int) -> Position:
     """Everything written from server time `server_ms` on (delivery starts at listen)."""
     return server_ms - 1, MAX_SEQ, MAX_SEQ
+
+
+def is_start(pos: Position) -> bool:
+    return pos[1] == MAX_SEQ
 
 
 def entry_start(pos: Position) -> str:
@@ -83,6 +108,10 @@ class HistoryBatch:
     lines: list[bytes]
     position: Position
     full: bool
+    first_unread_ms: int | None = None  # server time of the oldest entry read that was unread
+
+
+Parsed = tuple[str, tuple[int, int], list[Any], dict[bytes, bytes]]
 
 
 async def read_history(redis: aioredis.Redis, sub_id: str, pos: Position, count: int,
@@ -100,7 +129,7 @@ async def read_histories(redis: aioredis.Redis, positions: dict[str, Position], 
     for sub in subs:
         pipe.xrange(R.history_key(sub), min=entry_start(positions[sub]), count=count)
     replies = await pipe.execute()
-    parsed: dict[str, list[tuple[str, tuple[int, int], list[Any], dict[bytes, bytes]]]] = {}
+    parsed: dict[str, list[Parsed]] = {}
     wanted: dict[bytes, set[bytes]] = {}
     for sub, entries in zip(subs, replies, strict=True):
         rows = parsed[sub] = []
@@ -123,27 +152,37 @@ async def read_histories(redis: aioredis.Redis, positions: dict[str, Position], 
             for sub in subs}
 
 
-def render_entries(sub_id: str,
-                   parsed: list[tuple[str, tuple[int, int], list[Any], dict[bytes, bytes]]],
-                   records: dict[bytes, dict[str, bytes | None]], pos: Position, count: int,
-                   tenant: str) -> HistoryBatch:
+def render_entries(sub_id: str, parsed: list[Parsed], records: dict[bytes, dict[str, bytes | None]],
+                   pos: Position, count: int, tenant: str) -> HistoryBatch:
+    """The messages of the entries after `pos`; a `gap` first when the entry right after `pos`
+    was trimmed (each entry names its predecessor, so a quiet subscription is never taken for
+    a trimmed one)."""
     sub_json = orjson.dumps(sub_id)
     lines: list[bytes] = []
     last = pos
+    first_unread_ms: int | None = None
+    at = (pos[0], pos[1])
     for eid, key, refs, fields in parsed:
-        if b"k" in fields:  # kNN: the new ordered neighbour list
-            if (key[0], key[1]) == (pos[0], pos[1]) and 0 <= pos[2]:
+        if key == at:  # the entry of the cursor itself: only what follows its index
+            if b"k" in fields or pos[2] >= len(refs[0]) - 1:
                 continue
+        elif first_unread_ms is None and not is_start(pos):
+            prev = fields.get(b"p")
+            if prev is not None and prev != b"0-0" and parse_entry_id(prev.decode()) > at:
+                lines.append(gap_line(sub_id, cursor_after_entry(prev.decode())))
+        if first_unread_ms is None:
+            first_unread_ms = key[0]
+        if b"k" in fields:  # kNN: the new ordered neighbour list
             cur = orjson.dumps(format_cursor(eid, 0))
             lines.append(b'{"type":"knn","subscription":' + sub_json + b',"cursor":' + cur
                          + b',"neighbors":' + fields[b"k"] + b"}")
             last = (key[0], key[1], 0)
             continue
         recs = records.get(R.records_key(tenant, int(fields[b"b"])).encode(), {})
-        lines += render_matches(sub_json, eid, refs, recs, pos[2] if (key[0], key[1]) ==
-                                (pos[0], pos[1]) else -1)
+        lines += render_matches(sub_json, eid, refs, recs, pos[2] if key == at else -1)
         last = (key[0], key[1], max(0, len(refs[0]) - 1))
-    return HistoryBatch(lines=lines, position=last, full=len(parsed) >= count)
+    return HistoryBatch(lines=lines, position=last, full=len(parsed) >= count,
+                        first_unread_ms=first_unread_ms)
 
 
 def render_matches(sub_json: bytes, eid: str, refs: list[Any], recs: dict[str, bytes | None],
@@ -164,19 +203,48 @@ def render_matches(sub_json: bytes, eid: str, refs: list[Any], recs: dict[str, b
 
 def caught_up(pos: Position, prev: tuple[int, int], key: tuple[int, int]) -> bool:
     """Whether a connection at `pos` has everything up to `prev`, the entry before `key`."""
-    if pos[1] == MAX_SEQ:  # a start position: everything from server time pos[0] + 1 on
+    if is_start(pos):  # a start position: everything from server time pos[0] + 1 on
         return prev < (pos[0] + 1, 0) <= key
     return (pos[0], pos[1]) == prev
 
 
-async def history_gap(redis: aioredis.Redis, sub_id: str, pos: Position,
-                      max_age_s: float, now: float) -> bool:
-    """True when entries after `pos` may have been trimmed before the client read them."""
-    first = await redis.xrange(R.history_key(sub_id), count=1)
-    if first:
-        fkey = parse_entry_id(first[0][0].decode())
-        return fkey > (pos[0], pos[1])
-    return pos[0] < (now - max_age_s) * 1000
+async def resume_positions(redis: aioredis.Redis, cursors: dict[str, Position],
+                           max_age_s: float, now: float) -> dict[str, tuple[Position, bool]]:
+    """Where each subscription resumed from a client's cursor continues, and whether entries
+    after the cursor were trimmed before the client read them (then it continues after the
+    last trimmed one). Two reads per subscription, pipelined: the entries at and after the
+    cursor, and the id of the last entry ever written (which outlives a quiet stream)."""
+    subs = list(cursors)
+    pipe = redis.pipeline(transaction=False)
+    for sub in subs:
+        pipe.xrange(R.history_key(sub), min=entry_start(cursors[sub]), count=2)
+        pipe.get(R.history_last_key(sub))
+    replies = await pipe.execute()
+    out: dict[str, tuple[Position, bool]] = {}
+    for n, sub in enumerate(subs):
+        pos = cursors[sub]
+        at = (pos[0], pos[1])
+        entries, last = replies[2 * n], replies[2 * n + 1]
+        after = [(parse_entry_id(e.decode()), f) for e, f in entries
+                 if parse_entry_id(e.decode()) > at]
+        if after:
+            prev = after[0][1].get(b"p")
+            if prev is None:  # written before entries named their predecessor
+                trimmed = parse_entry_id(entries[0][0].decode()) > at
+                out[sub] = (pos, trimmed)
+            elif prev != b"0-0" and parse_entry_id(prev.decode()) > at:
+                ms, seq = parse_entry_id(prev.decode())
+                out[sub] = ((ms, seq, WHOLE_ENTRY), True)
+            else:
+                out[sub] = (pos, False)
+        elif last is not None:
+            ms, seq = parse_entry_id(last.decode())
+            out[sub] = ((ms, seq, WHOLE_ENTRY), True) if (ms, seq) > at else (pos, False)
+        else:
+            # Nothing written for a month, or never: whether the cursor's successors existed
+            # cannot be known, so a cursor older than the retention is told it may have a gap.
+            out[sub] = (pos, pos[0] < (now - max_age_s) * 1000)
+    return out
 
 
 # --- connections --------------------------------------------------------------------------
@@ -193,6 +261,9 @@ class Connection:
     transport: Transport
     principal: Principal
     positions: dict[str, Position] = field(default_factory=dict)
+    # server time each subscription was listened to: an entry waits for this client from
+    # max(its own time, this time), so a resume is not judged by the age of what it resumes
+    listened_ms: dict[str, int] = field(default_factory=dict)
     listen_all_from: Position | None = None
     dirty: set[str] = field(default_factory=set)
     wake: asyncio.Event = field(default_factory=asyncio.Event)
@@ -307,7 +378,7 @@ class Hub:
                     if conn.listen_all_from is None or conn.closed is not None:
                         continue
                     pos = conn.listen_all_from
-                    self.listen(conn, {sub: pos})
+                    self.listen(conn, {sub: pos}, pos[0])
                 if (pos[0], pos[1]) >= key:
                     continue  # already delivered by the pump
                 if not caught_up(pos, prev, key):
@@ -344,9 +415,10 @@ class Hub:
         if conn.listen_all_from is not None:
             self.all_by_tenant.get(conn.principal.tenant, set()).discard(conn)
 
-    def listen(self, conn: Connection, positions: dict[str, Position]) -> None:
+    def listen(self, conn: Connection, positions: dict[str, Position], at_ms: int) -> None:
         for sub, pos in positions.items():
             conn.positions[sub] = pos
+            conn.listened_ms[sub] = at_ms
             self.by_sub.setdefault(sub, set()).add(conn)
         conn.mark(positions)
 
@@ -358,6 +430,7 @@ class Hub:
     def unlisten(self, conn: Connection, subs: Iterable[str]) -> None:
         for sub in subs:
             conn.positions.pop(sub, None)
+            conn.listened_ms.pop(sub, None)
             conn.dirty.discard(sub)
             listeners = self.by_sub.get(sub)
             if listeners is not None:
@@ -365,9 +438,10 @@ class Hub:
                 if not listeners:
                     del self.by_sub[sub]
 
-    async def lagging(self, position_ms: int) -> bool:
-        """A connection still delivering entries older than ws_max_lag_s cannot keep up."""
-        return position_ms < (await self.server_ms()) - self.settings.ws_max_lag_s * 1000
+    async def lagging(self, waiting_since_ms: int) -> bool:
+        """A connection with an unread entry waiting since longer than ws_max_lag_s cannot
+        keep up. Only unread entries count: a quiet subscription never makes a client slow."""
+        return waiting_since_ms < (await self.server_ms()) - self.settings.ws_max_lag_s * 1000
 
     async def server_ms(self) -> int:
         sec, usec = await self.redis.time()
@@ -379,10 +453,9 @@ class Hub:
         s = self.settings
         # Notifications are at-most-once; a lost pub/sub connection already marks everything on
         # reconnect, so this poll is only a rare safety net (cheap for small listeners).
-        poll = 30.0
         while conn.closed is None:
             try:
-                await asyncio.wait_for(conn.wake.wait(), timeout=poll)
+                await asyncio.wait_for(conn.wake.wait(), timeout=s.ws_poll_s)
             except TimeoutError:
                 conn.dirty.update(conn.positions)  # a missed notification costs ≤ poll
             conn.wake.clear()
@@ -396,7 +469,7 @@ class Hub:
             if conn.listen_all_from is not None:
                 for sub in subs:
                     if sub not in conn.positions:
-                        self.listen(conn, {sub: conn.listen_all_from})
+                        self.listen(conn, {sub: conn.listen_all_from}, conn.listen_all_from[0])
             await self.deliver(conn, subs, s.ws_queue_max)
 
     async def deliver(self, conn: Connection, subs: list[str], budget: int) -> None:
@@ -407,12 +480,12 @@ class Hub:
                          if sub in conn.positions}
             if not positions:
                 continue
-            oldest = min(p[0] for p in positions.values() if p[1] != MAX_SEQ) if any(
-                p[1] != MAX_SEQ for p in positions.values()) else None
-            if oldest is not None and await self.lagging(oldest):
+            batches = await read_histories(self.redis, positions, min(256, budget), tenant)
+            waiting = [max(batch.first_unread_ms, conn.listened_ms.get(sub, 0))
+                       for sub, batch in batches.items() if batch.first_unread_ms is not None]
+            if waiting and await self.lagging(min(waiting)):
                 conn.close_soon(1013, "client cannot keep up; resume with the last cursor")
                 return
-            batches = await read_histories(self.redis, positions, min(256, budget), tenant)
             lines: list[bytes] = []
             for sub, batch in batches.items():
                 if conn.positions.get(sub) != positions[sub]:

@@ -29,6 +29,16 @@ def history_key(sub_id: str) -> str:
     return f"gs:h:{sub_id}"
 
 
+def history_last_key(sub_id: str) -> str:
+    """The id of the last history entry ever written for a subscription. It outlives the
+    history stream (which expires when quiet) so that a resume can tell a quiet subscription
+    from one whose unread entries were trimmed."""
+    return f"gs:hl:{sub_id}"
+
+
+HISTORY_LAST_TTL_S = 30 * 24 * 3600
+
+
 def positions_key(tenant: str) -> str:
     return f"gs:pos:{tenant}"
 

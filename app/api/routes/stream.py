@@ -22,17 +22,17 @@ from app.pipeline.hub import (
     ConnectionClosed,
     Hub,
     Position,
-    history_gap,
+    gap_line,
     parse_cursor,
+    position_cursor,
     read_history,
+    resume_positions,
     start_position,
 )
 from app.services import subscriptions as sub_service
 
 log = logging.getLogger(__name__)
 router = APIRouter(tags=["stream"])
-
-GAP_MESSAGE = "history before the cursor has been trimmed"
 
 
 class WebSocketTransport:
@@ -154,6 +154,7 @@ async def _handle_op(text: str, state: Any, hub: Hub, conn: Connection) -> bytes
     now_ms = await hub.server_ms()
     start = start_position(now_ms)
     positions: dict[str, Position] = {}
+    cursors: dict[str, Position] = {}
     for sub in wanted:
         if sub not in found:
             continue
@@ -165,11 +166,15 @@ async def _handle_op(text: str, state: Any, hub: Hub, conn: Connection) -> bytes
         if pos is None:
             conn.outbox.append(_error("bad_request", f"invalid cursor for {sub!r}"))
             continue
-        if await history_gap(hub.redis, sub, pos, state.settings.history_max_age_s, time.time()):
-            conn.outbox.append(orjson.dumps({"type": "gap", "subscription": sub,
-                                             "message": GAP_MESSAGE}))
-        positions[sub] = pos
-    hub.listen(conn, positions)
+        cursors[sub] = pos
+    if cursors:
+        resumed = await resume_positions(hub.redis, cursors, state.settings.history_max_age_s,
+                                         time.time())
+        for sub, (pos, trimmed) in resumed.items():
+            if trimmed:
+                conn.outbox.append(gap_line(sub, position_cursor(pos)))
+            positions[sub] = pos
+    hub.listen(conn, positions, now_ms)
     if listen_all:
         hub.listen_all(conn, start)
     return _listening(conn)
@@ -200,18 +205,18 @@ async def replay(
         raise NotFound(f"no subscription with id {sub_id!r}")
     items: list[bytes] = []
     if since is None:
-        pos: Position = (0, 0, -1)  # before everything retained
+        pos: Position = start_position(0)  # before everything retained
     else:
         parsed = parse_cursor(since)
         if parsed is None:
             raise RequestValidationError([{"type": "value_error", "loc": ("query", "since"),
                                            "msg": "not a cursor this server issued",
                                            "input": since}])
-        pos = parsed
-        if await history_gap(state.redis, sub_id, pos, state.settings.history_max_age_s,
-                             time.time()):
-            items.append(orjson.dumps({"type": "gap", "subscription": sub_id,
-                                       "message": GAP_MESSAGE}))
+        resumed = await resume_positions(state.redis, {sub_id: parsed},
+                                         state.settings.history_max_age_s, time.time())
+        pos, trimmed = resumed[sub_id]
+        if trimmed:
+            items.append(gap_line(sub_id, position_cursor(pos)))
     while len(items) < limit:
         batch = await read_history(state.redis, sub_id, pos, 64, principal.tenant)
         items.extend(batch.lines)
