@@ -51,9 +51,9 @@ from app.geo import balance
 from app.geo.balance import Decision, DecisionPointer
 from app.geo.grid import Grid
 from app.geo.history import history_plan
-from app.geo.index import GlobalIndex, Partition, Plan, initial_plan
-from app.geo.stats import PartitionStats
+from app.geo.index import GlobalIndex, Plan, initial_plan
 from bench.workload import city_location, city_points
+from workers.ledger import SwarmLedger
 
 F64 = npt.NDArray[np.float64]
 I64 = npt.NDArray[np.int64]
@@ -352,12 +352,9 @@ class Simulation:
         self.pending = np.zeros(cfg.workers)  # insertion work queued at the next round start
         self.pending_inserts = 0
         self.rr = 0  # replicated: round-robin position
-        # SWARM's executor side (as workers/executor.py) and coordinator side.
-        self.stats: dict[str, PartitionStats] = {}
-        self.sub_parts: dict[int, list[tuple[PartitionStats, int]]] = {}
-        # The executors' window, as (arrival fold, cell ids, objects per cell) per round.
-        self.window: list[tuple[int, I64, I64]] = []
-        self.folds = 0
+        # SWARM's executor side (the executors' own ledger, for every partition) and
+        # coordinator side.
+        self.ledger = SwarmLedger(wl.grid)
         self.pointer = DecisionPointer(beta=cfg.beta)
         self.ids = (f"p{i}" for i in itertools.count(cfg.workers))
         self.quiet = 0
@@ -382,72 +379,27 @@ class Simulation:
     # --- SWARM statistics (as the executor: §4.2) ------------------------------------------
     def _sync_stats(self) -> None:
         """Stats for exactly the plan's partitions; new ones seeded with the window's objects
-        and the live subscriptions (`PartitionStats.seed_*`, as the executor does)."""
-        current = {p.id: p for p in self.plan.partitions}
-        for pid in [pid for pid in self.stats if pid not in current]:
-            del self.stats[pid]
-        live = np.flatnonzero(self.live)
-        for pid, p in current.items():
-            if pid not in self.stats:
-                self.stats[pid] = self.seeded_stats(p, live)
-
-    def seeded_stats(self, p: Partition, live: I64, register: bool = True) -> PartitionStats:
-        """A new partition's statistics: the window's objects with their arrival rounds (the
-        executor hands them over with the partition) and the live subscriptions, as if the
-        partition had always existed (R only counts from the next fold on)."""
-        st = PartitionStats(p, round=self.folds)
-        nx = self.wl.grid.nx
-        for arrived, cells, counts in self.window:
-            x, y = cells % nx, cells // nx
-            m = (x >= p.x0) & (x <= p.x1) & (y >= p.y0) & (y <= p.y1)
-            if m.any():
-                st.seed_objects(x[m], y[m], arrived_round=arrived, count=counts[m])
-        rects = self.wl.rects
-        for sid in live[_overlaps(rects[live], p.x0, p.y0, p.x1, p.y1)].tolist():
-            a = st.seed_query(*(int(v) for v in rects[sid]))
-            if register:  # so that deleting the subscription takes it back out
-                self.sub_parts.setdefault(sid, []).append((st, a))
-        return st
+        and the live subscriptions, as the executors do."""
+        self.ledger.sync(self.index, self.plan.partitions)
 
     def _stats_subs_added(self, sids: I64) -> None:
-        rects = self.wl.rects[sids]
-        for st in self.stats.values():
-            p = st.partition
-            m = _overlaps(rects, p.x0, p.y0, p.x1, p.y1)
-            if m.any():
-                r = rects[m]
-                st.add_queries(r[:, 0], r[:, 1], r[:, 2], r[:, 3])
-                for sid in sids[m].tolist():
-                    self.sub_parts.setdefault(sid, []).append((st, st.round))
+        self.ledger.add_queries([str(s) for s in sids.tolist()], self.wl.rects[sids])
 
     def _stats_subs_removed(self, sids: I64) -> None:
         for sid in sids.tolist():
-            rect = tuple(int(v) for v in self.wl.rects[sid])
-            for st, arrived in self.sub_parts.pop(sid, []):
-                if self.stats.get(st.partition.id) is st:
-                    st.remove_query(*rect, arrived_round=arrived)
+            self.ledger.remove_query(str(sid))
 
     def _stats_objects(self, cx: I64, cy: I64) -> None:
-        part = self.index.cell_part[cy, cx]
-        order = np.argsort(part, kind="stable")
-        bounds = np.flatnonzero(np.diff(part[order])) + 1
-        for chunk in np.split(order, bounds):
-            if chunk.size:
-                pid = self.index.partitions[int(part[chunk[0]])].id
-                self.stats[pid].add_objects(cx[chunk], cy[chunk])
-        cells, counts = np.unique(cy * self.wl.grid.nx + cx, return_counts=True)
-        self.window.append((self.folds, cells, counts.astype(np.int64)))
+        self.ledger.add_objects(cx, cy, bucket=self.ledger.folds)
 
     # --- SWARM's round (coordinator + executors, §4.3) -------------------------------------
     def _balance_round(self, rs: RoundStats) -> None:
         nums = dict.fromkeys(self.workers, 0.0)
         recv = dict.fromkeys(self.workers, 0)
-        for st in self.stats.values():
-            st.fold()
+        for st in self.ledger.fold():
             n, q, r = st.totals()
             nums[st.partition.worker] += balance.cost_numerator(n, q, r)
             recv[st.partition.worker] += r
-        self.folds += 1
         r_s = float(sum(recv.values()))
         decision = self.pointer.step(r_s)
         rs.r_s, rs.decision, rs.action = r_s, decision.value, "none"
@@ -458,7 +410,7 @@ class Simulation:
             for mh in sorted((w for w in costs if w != ml), key=lambda w: (-costs[w], w)):
                 if costs[mh] <= costs[ml]:
                     break
-                mine = [st for st in self.stats.values() if st.partition.worker == mh]
+                mine = [st for st in self.ledger.stats.values() if st.partition.worker == mh]
                 if not mine:
                     continue
                 red = balance.reduce_workload(mine, costs[ml], r_s)

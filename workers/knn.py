@@ -9,13 +9,13 @@ subscription's history when its membership changed (one decision point, no lost 
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from app.geo.geometry import haversine_m
+from workers.window import LiveWindow
 
 # KEYS[1] = gs:knn:<sub> (hash: worker -> local list JSON, "_merged" -> ids JSON)
 # KEYS[2] = history stream, KEYS[3] = its last-id marker (see HISTORY_SCRIPT);
@@ -78,84 +78,21 @@ def knn_sub(sub_id: str, spec: dict[str, Any]) -> KnnSub:
                   frozenset(spec.get("keywords") or ()), spec.get("match", "any") == "all")
 
 
-class LocalObjects:
-    """The objects one worker owns for one tenant."""
-
-    def __init__(self, window_s: float, bucket_s: float) -> None:
-        self.window_s = window_s
-        self.bucket_s = bucket_s
-        self.moving: dict[str, tuple[float, float, frozenset[str]]] = {}
-        self.moving_ts: dict[str, float] = {}
-        self.events: dict[str, tuple[float, float, frozenset[str]]] = {}
-        self.buckets: deque[tuple[int, list[str]]] = deque()
-
-    def upsert_moving(self, oid: str, lon: float, lat: float, kws: frozenset[str],
-                      ts: float) -> None:
-        if self.moving_ts.get(oid, -1.0) <= ts:
-            self.moving[oid] = (lon, lat, kws)
-            self.moving_ts[oid] = ts
-
-    def remove_moving(self, oid: str, ts: float) -> bool:
-        """The object moved to another worker's partition with record `ts`; a newer record
-        that already came back here (streams of two workers are not ordered) wins."""
-        if oid in self.moving and self.moving_ts[oid] <= ts:
-            del self.moving[oid]
-            self.moving_ts[oid] = ts
-            return True
-        return False
-
-    def moving_in(self, inside: Any) -> list[tuple[str, float, float, list[str], float]]:
-        """Moving objects whose latest position satisfies `inside(lon, lat)` (vectorised), as
-        (id, lon, lat, keywords, ts): what a handoff carries to a partition's new owner."""
-        if not self.moving:
-            return []
-        ids = list(self.moving)
-        pos = np.asarray([self.moving[i][:2] for i in ids], dtype=np.float64)
-        mask = inside(pos[:, 0], pos[:, 1])
-        out = []
-        for i in np.flatnonzero(mask).tolist():
-            oid = ids[i]
-            lon, lat, kws = self.moving[oid]
-            out.append((oid, lon, lat, sorted(kws), self.moving_ts[oid]))
-        return out
-
-    def drop_moving(self, ids: list[str]) -> None:
-        """Forget handed-off objects (their new owner keeps them from now on)."""
-        for oid in ids:
-            self.moving.pop(oid, None)
-            self.moving_ts.pop(oid, None)
-
-    def add_event(self, oid: str, lon: float, lat: float, kws: frozenset[str], at: float) -> None:
-        b = int(at // self.bucket_s)
-        if not self.buckets or self.buckets[-1][0] != b:
-            self.buckets.append((b, []))
-        self.buckets[-1][1].append(oid)
-        self.events[oid] = (lon, lat, kws)
-
-    def expire(self, now: float) -> bool:
-        """Drop whole buckets older than the window; True if anything left."""
-        horizon = int((now - self.window_s) // self.bucket_s)
-        dropped = False
-        while self.buckets and self.buckets[0][0] < horizon:
-            _, ids = self.buckets.popleft()
-            for oid in ids:
-                self.events.pop(oid, None)
-            dropped = True
-        return dropped
-
-    def top_k(self, sub: KnnSub) -> list[tuple[float, str, float, float]]:
-        ids, lons, lats = [], [], []
-        for source in (self.moving, self.events):
-            for oid, (lon, lat, kws) in source.items():
-                if sub.accepts(kws):
-                    ids.append(oid)
-                    lons.append(lon)
-                    lats.append(lat)
-        if not ids:
-            return []
-        d = haversine_m(sub.lon, sub.lat, np.asarray(lons), np.asarray(lats))
-        order = sorted(range(len(ids)), key=lambda i: (float(d[i]), ids[i]))[: sub.k]
-        return [(round(float(d[i]), 3), ids[i], lons[i], lats[i]) for i in order]
+def top_k(window: LiveWindow, sub: KnnSub) -> list[tuple[float, str, float, float]]:
+    """The k records of the window nearest to the subscription's point that satisfy its
+    keyword predicate, as (distance, id, lon, lat), ties broken by id."""
+    ids, lons, lats = [], [], []
+    for source in (window.moving, window.events):
+        for oid, (lon, lat, kws) in source.items():
+            if sub.accepts(kws):
+                ids.append(oid)
+                lons.append(lon)
+                lats.append(lat)
+    if not ids:
+        return []
+    d = haversine_m(sub.lon, sub.lat, np.asarray(lons), np.asarray(lats))
+    order = sorted(range(len(ids)), key=lambda i: (float(d[i]), ids[i]))[: sub.k]
+    return [(round(float(d[i]), 3), ids[i], lons[i], lats[i]) for i in order]
 
 
 class KnnState:
@@ -163,10 +100,10 @@ class KnnState:
 
     def __init__(self, window_s: float, bucket_s: float) -> None:
         self.subs: dict[str, KnnSub] = {}
-        self.objects = LocalObjects(window_s, bucket_s)
+        self.objects = LiveWindow(window_s, bucket_s)
 
     def add(self, sub: KnnSub) -> KnnSub:
-        sub.local = self.objects.top_k(sub)
+        sub.local = top_k(self.objects, sub)
         self.subs[sub.id] = sub
         return sub
 
@@ -199,7 +136,7 @@ class KnnState:
         for sub in self.subs.values():
             if not removed and not any(sub.accepts(kws) for _, _, kws in touched):
                 continue
-            new = self.objects.top_k(sub)
+            new = top_k(self.objects, sub)
             if new != sub.local:
                 sub.local = new
                 changed.append(sub)

@@ -109,9 +109,8 @@ def test_seeded_statistics_equal_the_incremental_ones() -> None:
     for r in range(10):
         sim.step(r, res)
     assert sim.plan.version == 1
-    live = np.flatnonzero(sim.live)
-    for st in sim.stats.values():
-        seeded = sim.seeded_stats(st.partition, live, register=False)
+    for st in sim.ledger.stats.values():
+        seeded = sim.ledger.seeded(st.partition)
         for axis in ("x", "y"):
             a, b = st.axis(axis), seeded.axis(axis)
             assert np.allclose(a.N, b.N)

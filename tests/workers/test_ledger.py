@@ -1,58 +1,50 @@
-"""The executor's bookkeeping of SWARM statistics, without processes: objects counted into
-the window and the statistics, partitions created by a split seeded with exactly their share,
-and expiry taking back everything the window added."""
+"""The SWARM ledger (the executor's statistics), without processes: objects counted into the
+window and the statistics, partitions created by a split seeded with exactly their share, and
+expiry taking back everything the window added."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from app.core.config import Settings
 from app.geo import balance
 from app.geo.grid import Grid
 from app.geo.index import GlobalIndex, initial_plan
-from workers.executor import Executor
+from workers.ledger import SwarmLedger
+
+GRID = Grid((-180, -90, 180, 90), 200, 100)
 
 
-def executor() -> Executor:
-    settings = Settings(grid=(200, 100), window_s=600, bucket_s=60)
-    e = Executor(settings, "w0", "redis://127.0.0.1:1/0")  # never connects in these tests
-    e.index = GlobalIndex(initial_plan(Grid(settings.bounds, 200, 100), ["w0", "w1"]))
-    e._sync_stats()
-    return e
+def ledger_of_w0() -> tuple[SwarmLedger, GlobalIndex]:
+    index = GlobalIndex(initial_plan(GRID, ["w0", "w1"]))
+    ledger = SwarmLedger(GRID)
+    ledger.sync(index, [p for p in index.partitions if p.worker == "w0"])
+    return ledger, index
 
 
-def fold(e: Executor) -> None:
-    for st in e.stats.values():
-        st.fold()
-    e.folds += 1
+def add_batch(ledger: SwarmLedger, rng: np.random.Generator, n: int, bucket: int) -> None:
+    lon, lat = rng.uniform(-179, -1, n), rng.uniform(-80, 80, n)
+    ledger.add_objects(*GRID.cells_of(lon, lat), bucket=bucket)
 
 
-def batch(rng: np.random.Generator, n: int) -> dict[str, list[object]]:
-    return {"xo": [bool(v) for v in rng.random(n) < 0.1],
-            "lon": rng.uniform(-179, -1, n).tolist(), "lat": rng.uniform(-80, 80, n).tolist()}
-
-
-def total_n(e: Executor) -> float:
-    return sum(st.totals().N + float(st.rows.N_new.sum()) for st in e.stats.values())
+def total_n(ledger: SwarmLedger) -> float:
+    return sum(st.totals().N + float(st.rows.N_new.sum()) for st in ledger.stats.values())
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_split_seeds_children_and_expiry_takes_everything_back(seed: int) -> None:
     rng = np.random.default_rng(seed)
-    e = executor()
+    e, index = ledger_of_w0()
     assert list(e.stats) == ["p0"]  # w0 owns the western half
     for r in range(4):
         for _ in range(30):  # many batches: the window piece compacts lazily
-            e._count_objects(batch(rng, 500))
+            add_batch(e, rng, 500, bucket=r)
         if r < 3:
-            fold(e)
+            e.fold()
     before = e.stats["p0"].totals().N, int(e.stats["p0"].rows.N_new.sum())
-    assert e.index is not None
-    plan = e.index.plan
     split = balance.Split("x", 40, "high", 0.0)
-    e.index = GlobalIndex(balance.apply_split(plan, "p0", split, "w0", iter(["p7", "p8"])))
-    e._sync_stats()
+    index = GlobalIndex(balance.apply_split(index.plan, "p0", split, "w0", iter(["p7", "p8"])))
+    e.sync(index, [p for p in index.partitions if p.worker == "w0"])
     assert sorted(e.stats) == ["p7", "p8"]
     after = (sum(st.totals().N for st in e.stats.values()),
              sum(int(st.rows.N_new.sum()) for st in e.stats.values()))
@@ -61,9 +53,58 @@ def test_split_seeds_children_and_expiry_takes_everything_back(seed: int) -> Non
     # row and column statistics of the two halves agree with each other
     for st in e.stats.values():
         assert st.rows.N[-1] == pytest.approx(st.cols.N[-1])
-    e._expire_window(1e12)  # everything left the window
+    e.expire(horizon=10**9)  # everything left the window
     assert not e.window
     for st in e.stats.values():
         assert np.allclose(st.rows.N, 0) and np.allclose(st.cols.N, 0)
         assert not st.rows.N_new.any() and not st.cols.N_new.any()
     assert total_n(e) == pytest.approx(0)
+
+
+def handoff(query: bool, delete: bool) -> tuple[float, float, SwarmLedger]:
+    """w0 moves p0 to w1 (as p9) after three rounds of objects: returns the sender's N for p0
+    before the move, the receiver's N and Q for p9 one round after it, and the receiver."""
+    rng = np.random.default_rng(7)
+    sender, index = ledger_of_w0()
+    rect = (10, 10, 30, 30)
+    for r in range(3):
+        add_batch(sender, rng, 2000, bucket=r)
+        if query and r == 1:
+            sender.add_query("s1", rect)
+        sender.fold()
+    n_before = sender.stats["p0"].totals().N
+    moved = balance.apply_move(index.plan, ["p0"], "w1", iter(["p9"]))
+    new_index = GlobalIndex(moved)
+    part = next(p for p in moved.partitions if p.id == "p9")
+    taken = sender.empty_masks()
+    pieces = sender.export_window(lambda cx, cy: part.contains_cells(cx, cy), taken)
+    exported = sender.stats["p0"].export()
+    sender.drop_window(taken)
+    sender.sync(new_index, [])
+    assert not sender.stats and all(p.cx.size == 0 for p in sender.window)
+    receiver = SwarmLedger(GRID)
+    receiver.folds = sender.folds
+    receiver.sync(new_index, [])
+    if query:
+        receiver.add_query("s1", rect)  # the handoff's subscriptions are added first
+    receiver.receive_window(pieces)
+    receiver.restore(part, exported)
+    receiver.sync(new_index, [part])
+    assert receiver.stats["p9"].totals().N == pytest.approx(n_before)
+    if delete:
+        receiver.remove_query("s1")
+    receiver.fold()
+    return n_before, receiver.stats["p9"].totals().Q, receiver
+
+
+def test_handoff_carries_window_counts_and_queries() -> None:
+    """A move hands the window's counts and the statistics to the receiver: its N is what the
+    sender had, a subscription counted by the sender is counted once, and one deleted after
+    the move leaves the receiver's statistics exactly."""
+    _, q_none, _ = handoff(query=False, delete=False)
+    _, q_kept, _ = handoff(query=True, delete=False)
+    _, q_deleted, receiver = handoff(query=True, delete=True)
+    assert q_kept > q_none
+    assert q_deleted == pytest.approx(q_none)
+    receiver.expire(horizon=10**9)
+    assert total_n(receiver) == pytest.approx(0)

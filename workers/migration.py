@@ -1,0 +1,277 @@
+"""Partition migration, SWARM §5.1: the executor's side of a move, split or merge.
+
+mH carries out a plan change itself: one Lua script (`PLAN_CAS_SCRIPT`) appends a handoff
+(the partitions' subscriptions, window statistics and moving objects) to each receiver's
+stream and publishes the next plan version, only if the stored plan is still the version mH
+computed from (ownership is fenced by plan version). mL reads the handoff before anything
+routed to it under the new plan; entries still routed to mH under an older plan are
+forwarded unprocessed (`reroute`), each record to the owner of its new position and each
+`exit` decision to the owner of its previous one, so every match is decided exactly once.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from app.geo import balance
+from app.geo.index import GlobalIndex, Partition, Plan
+from app.pipeline import control as C
+from app.pipeline import records as R
+from app.pipeline.router import targets_for_spec
+
+if TYPE_CHECKING:
+    from workers.executor import Executor
+
+log = logging.getLogger(__name__)
+
+
+class CommandRefused(Exception):
+    """A balancing command that is stale (plan changed, deadline passed) or invalid."""
+
+
+class Migration:
+    """Moves, splits and merges of one executor's partitions, and the handoffs it receives."""
+
+    def __init__(self, executor: Executor) -> None:
+        self.ex = executor
+
+    def reroute(self, msg: dict[str, Any], pipe: Any) -> dict[str, Any] | None:
+        """An entry routed with an older plan: rows whose new position is owned by another
+        worker now go there unprocessed, and each exit decision goes to the owner of the
+        previous position, so each record is decided exactly once even across a move. Returns
+        what stays here (None when nothing does)."""
+        ex = self.ex
+        ex.load_plan()  # forward with the newest plan we can see
+        assert ex.index is not None
+        index = ex.index
+        me = index.workers.index(ex.id) if ex.id in index.workers else -1
+        n = len(msg["id"])
+        new_w = index.worker_of_points(np.asarray(msg["lon"], dtype=np.float64),
+                                       np.asarray(msg["lat"], dtype=np.float64))
+        xo = np.asarray(msg["xo"], dtype=bool)
+        dx = np.asarray(msg["dx"], dtype=bool)
+        prev_w = np.full(n, -1, dtype=np.int64)
+        need = np.flatnonzero(xo | dx)
+        if need.size:
+            prev = [msg["prev"][i] for i in need.tolist()]
+            prev_w[need] = index.worker_of_points(
+                np.asarray([p[0] for p in prev], dtype=np.float64),
+                np.asarray([p[1] for p in prev], dtype=np.float64))
+        if ((new_w[~xo] == me).all() and (prev_w[xo] == me).all()
+                and (prev_w[dx & ~xo] == me).all()):
+            return msg
+        dest: dict[int, list[tuple[int, bool, bool]]] = {}
+        for i in range(n):
+            if xo[i]:
+                dest.setdefault(int(prev_w[i]), []).append((i, True, True))
+            elif dx[i] and prev_w[i] != new_w[i]:
+                dest.setdefault(int(new_w[i]), []).append((i, False, False))
+                dest.setdefault(int(prev_w[i]), []).append((i, True, True))
+            else:
+                dest.setdefault(int(new_w[i]), []).append((i, False, bool(dx[i])))
+        local = None
+        for w, rows in dest.items():
+            sub = {k: ([v[i] for i, _, _ in rows] if isinstance(v, list) else v)
+                   for k, v in msg.items()}
+            sub["xo"] = [x for _, x, _ in rows]
+            sub["dx"] = [d for _, _, d in rows]
+            sub["v"] = index.version
+            if w == me:
+                local = sub
+            else:
+                pipe.xadd(R.worker_stream(index.workers[w]), {b"m": R.pack(sub)})
+                ex.forwarded += len(rows)
+        return local
+
+    def forward_subs(self, subs: list[dict[str, Any]], pipe: Any) -> None:
+        """Subscriptions routed with an older plan: also send them to the workers that own
+        their regions now (adding is idempotent; deleted ids are tombstoned)."""
+        ex = self.ex
+        ex.load_plan()
+        assert ex.index is not None
+        fwd: dict[str, list[dict[str, Any]]] = {}
+        for m in subs:
+            if m["spec"]["type"] != "range" or m["id"] in ex.tombstones:
+                continue  # keyword and kNN subscriptions are on every worker already
+            for w in targets_for_spec(ex.index, m["spec"]):
+                if w != ex.id:
+                    fwd.setdefault(w, []).append(m)
+        for w, ms in fwd.items():
+            pipe.xadd(R.worker_stream(w), {b"m": R.encode_subs_added(ms, ex.version)})
+
+    def receive_handoff(self, msg: dict[str, Any], pipe: Any,
+                         notify: dict[str, set[str]]) -> None:
+        """mL's side of a move (§5.1): the partitions' subscriptions, window statistics and
+        moving objects, read before anything routed to us under the new plan."""
+        ex = self.ex
+        ex.load_plan()
+        assert ex.index is not None
+        if ex.version < msg["v"]:
+            raise RuntimeError(f"handoff for plan {msg['v']} but the stored plan is older")
+        ledger = ex.ledger
+        for pid in msg["parts"]:
+            # seen early in a plan reload: seed it again, now with what the handoff brings
+            ledger.stats.pop(pid, None)
+        ledger.receive_window(msg["win"])
+        ex.handle_subs_added(msg["subs"], pipe)
+        parts = {p.id: p for p in ex.owned()}
+        for pid, exported in (msg.get("stats") or {}).items():
+            if pid in parts:  # else it moved on again meanwhile
+                ledger.restore(parts[pid], exported)
+        ex.sync_stats()
+        for tenant, objs in msg["mv"].items():
+            state = ex.knn_state(tenant)
+            touched = []
+            for oid, lon, lat, kws, ts in objs:
+                state.objects.upsert_moving(oid, lon, lat, frozenset(kws), ts)
+                touched.append((lon, lat, frozenset(kws)))
+            changed = state.refresh(False, touched)
+            if changed:
+                ex.merge_knn(tenant, changed, pipe)
+                notify.setdefault(tenant, set()).update(s.id for s in changed)
+        log.info("worker %s received %s from %s (plan %d): %d subscriptions",
+                 ex.id, msg["parts"], msg["from"], msg["v"], len(msg["subs"]))
+
+    def transfer(self, new_plan: Plan) -> dict[str, Any]:
+        """Apply a plan that changes only this worker's partitions: hand the partitions given
+        to other workers off through their streams and publish the plan, atomically and only
+        if the stored plan is still the one this change was computed from (fencing)."""
+        ex = self.ex
+        assert ex.index is not None
+        old = ex.index.plan
+        old_ids = {p.id for p in old.partitions}
+        given = [p for p in new_plan.partitions if p.id not in old_ids and p.worker != ex.id]
+        by_worker: dict[str, list[Partition]] = {}
+        for p in given:
+            by_worker.setdefault(p.worker, []).append(p)
+        handoffs: list[tuple[str, bytes]] = []
+        leaving: list[tuple[str, list[str]]] = []
+        ledger = ex.ledger
+        old_rects = {(q.x0, q.y0, q.x1, q.y1): q.id for q in old.partitions
+                     if q.worker == ex.id and q.id in ledger.stats}
+        taken = ledger.empty_masks()
+        grid = new_plan.grid
+        for w, parts in by_worker.items():
+            def inside_cells(cx: Any, cy: Any, parts: list[Partition] = parts) -> Any:
+                m = np.zeros(np.shape(cx), dtype=bool)
+                for p in parts:
+                    m |= p.contains_cells(cx, cy)
+                return m
+
+            def inside(lon: Any, lat: Any, f: Any = inside_cells) -> Any:
+                return f(*grid.cells_of(lon, lat))
+
+            subs = [ex.sub_msgs[sid] for sid, rect in ledger.sub_rect.items()
+                    if ex.sub_msgs[sid]["spec"]["type"] == "range"
+                    and any(p.overlaps(*rect) for p in parts)]
+            win = ledger.export_window(inside_cells, taken)
+            mv: dict[str, list[Any]] = {}
+            for tenant, state in ex.knn.items():
+                objs = state.objects.moving_in(inside)
+                if objs:
+                    mv[tenant] = objs
+                    leaving.append((tenant, [o[0] for o in objs]))
+            # A partition moved whole takes its statistics along (R of the last round
+            # included); the halves of a split are seeded from the window instead.
+            shipped = {p.id: ledger.stats[old_rects[(p.x0, p.y0, p.x1, p.y1)]].export()
+                       for p in parts if (p.x0, p.y0, p.x1, p.y1) in old_rects}
+            handoffs.append((R.worker_stream(w), R.pack({
+                "t": "handoff", "v": new_plan.version, "from": ex.id,
+                "parts": [p.id for p in parts], "subs": subs, "win": win, "mv": mv,
+                "stats": shipped})))
+        plan_json = new_plan.to_json()
+        keys, args = C.plan_cas_args(old.version, plan_json, new_plan.version, time.time(),
+                                     R.PLAN_CHANNEL, handoffs)
+        if not ex.plan_cas(keys=keys, args=args):
+            raise CommandRefused(f"the plan is no longer version {old.version}")
+        ex.index = GlobalIndex(new_plan)
+        if given:
+            ledger.drop_window(taken)
+        ex.sync_stats()
+        if leaving:
+            pipe = ex.redis.pipeline(transaction=True)
+            notify: dict[str, set[str]] = {}
+            for tenant, ids in leaving:
+                state = ex.knn[tenant]
+                state.objects.drop_moving(ids)
+                changed = state.refresh(True, [])
+                if changed:
+                    ex.merge_knn(tenant, changed, pipe)
+                    notify.setdefault(tenant, set()).update(s.id for s in changed)
+            pipe.execute()
+            ex.notify([], [], notify)
+        log.info("worker %s published plan %d: gave %s", ex.id, new_plan.version,
+                 {w: [p.id for p in ps] for w, ps in by_worker.items()})
+        return {"version": new_plan.version,
+                "given": {w: [p.to_dict() for p in ps] for w, ps in by_worker.items()},
+                "partitions": [p.to_dict() for p in new_plan.partitions
+                               if p.id not in old_ids]}
+
+    def command(self, kind: str, msg: dict[str, Any]) -> dict[str, Any]:
+        ex = self.ex
+        if msg.get("deadline") is not None and time.time() > float(msg["deadline"]):
+            raise CommandRefused("deadline passed")
+        ex.load_plan()
+        if int(msg["version"]) != ex.version:
+            raise CommandRefused(f"plan version {msg['version']} is stale "
+                                 f"(current {ex.version})")
+        if ex.replicated:
+            raise CommandRefused("partitioning is replicated: nothing to move")
+        assert ex.index is not None
+        plan = ex.index.plan
+        mine = {p.id: p for p in ex.owned()}
+        ids = iter([str(i) for i in msg.get("ids", [])])
+        if kind == "reduce":
+            to = str(msg["to"])
+            if to == ex.id:
+                raise CommandRefused("mL is this worker")
+            stats = [ex.ledger.stats[pid] for pid in sorted(mine)]
+            red = balance.reduce_workload(stats, float(msg["c_ml"]), float(msg["r_s"]))
+            if red is None:
+                return {"action": "none", "details": {"reason": "no feasible reduction"}}
+            action = "move" if isinstance(red, balance.MoveSubset) else "split"
+            details = self.transfer(balance.apply_reduction(plan, red, to, ids))
+            if isinstance(red, balance.SplitMove):
+                details["split"] = {"partition": red.partition_id, **red.split._asdict()}
+            else:
+                details["moved"] = list(red.partition_ids)
+            return {"action": action, "version": details["version"], "details": details}
+        if kind == "move":
+            pids = [str(p) for p in msg["partitions"]]
+            missing = [p for p in pids if p not in mine]
+            if missing:
+                raise CommandRefused(f"partitions {missing} are not owned by {ex.id}")
+            details = self.transfer(balance.apply_move(plan, pids, str(msg["to"]), ids))
+            details["moved"] = pids
+            return {"action": "move", "version": details["version"], "details": details}
+        if kind == "split":
+            pid = str(msg["partition"])
+            if pid not in mine:
+                raise CommandRefused(f"partition {pid} is not owned by {ex.id}")
+            axis, at = msg["axis"], int(msg["at"])
+            moved = msg.get("moved")
+            if moved is None:
+                low, high = balance.split_partition(mine[pid], axis, at, (next(ids), next(ids)))
+                parts = []
+                for p in plan.partitions:
+                    parts.extend([low, high] if p.id == pid else [p])
+                new_plan = Plan(version=plan.version + 1, grid=plan.grid, partitions=parts,
+                                members=plan.members)
+                new_plan.validate()
+            else:
+                split = balance.Split(axis, at, moved, 0.0)
+                new_plan = balance.apply_split(plan, pid, split, str(msg["to"]), ids)
+            details = self.transfer(new_plan)
+            details["split"] = {"partition": pid, "axis": axis, "at": at, "moved": moved}
+            return {"action": "split", "version": details["version"], "details": details}
+        if kind == "merge":
+            new_plan = balance.apply_merges(plan, ids, worker=ex.id)
+            if new_plan is plan:
+                return {"action": "none", "details": {"reason": "nothing to merge"}}
+            details = self.transfer(new_plan)
+            return {"action": "merge", "version": details["version"], "details": details}
+        raise CommandRefused(f"unknown command {kind!r}")

@@ -1,0 +1,78 @@
+"""The live window of one tenant on one executor (SSTD §3.2, CheetahGIS's moving objects):
+the latest position of every moving object whose position lies in the worker's partitions,
+and the events that arrived within the last `window_s`, bucketed by arrival time so that
+whole buckets expire at once.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+import numpy as np
+
+
+class LiveWindow:
+    """The records one worker holds for one tenant."""
+
+    def __init__(self, window_s: float, bucket_s: float) -> None:
+        self.window_s = window_s
+        self.bucket_s = bucket_s
+        self.moving: dict[str, tuple[float, float, frozenset[str]]] = {}
+        self.moving_ts: dict[str, float] = {}
+        self.events: dict[str, tuple[float, float, frozenset[str]]] = {}
+        self.buckets: deque[tuple[int, list[str]]] = deque()
+
+    def upsert_moving(self, oid: str, lon: float, lat: float, kws: frozenset[str],
+                      ts: float) -> None:
+        if self.moving_ts.get(oid, -1.0) <= ts:
+            self.moving[oid] = (lon, lat, kws)
+            self.moving_ts[oid] = ts
+
+    def remove_moving(self, oid: str, ts: float) -> bool:
+        """The object moved to another worker's partition with record `ts`; a newer record
+        that already came back here (streams of two workers are not ordered) wins."""
+        if oid in self.moving and self.moving_ts[oid] <= ts:
+            del self.moving[oid]
+            self.moving_ts[oid] = ts
+            return True
+        return False
+
+    def moving_in(self, inside: Any) -> list[tuple[str, float, float, list[str], float]]:
+        """Moving objects whose latest position satisfies `inside(lon, lat)` (vectorised), as
+        (id, lon, lat, keywords, ts): what a handoff carries to a partition's new owner."""
+        if not self.moving:
+            return []
+        ids = list(self.moving)
+        pos = np.asarray([self.moving[i][:2] for i in ids], dtype=np.float64)
+        mask = inside(pos[:, 0], pos[:, 1])
+        out = []
+        for i in np.flatnonzero(mask).tolist():
+            oid = ids[i]
+            lon, lat, kws = self.moving[oid]
+            out.append((oid, lon, lat, sorted(kws), self.moving_ts[oid]))
+        return out
+
+    def drop_moving(self, ids: list[str]) -> None:
+        """Forget handed-off objects (their new owner keeps them from now on)."""
+        for oid in ids:
+            self.moving.pop(oid, None)
+            self.moving_ts.pop(oid, None)
+
+    def add_event(self, oid: str, lon: float, lat: float, kws: frozenset[str], at: float) -> None:
+        b = int(at // self.bucket_s)
+        if not self.buckets or self.buckets[-1][0] != b:
+            self.buckets.append((b, []))
+        self.buckets[-1][1].append(oid)
+        self.events[oid] = (lon, lat, kws)
+
+    def expire(self, now: float) -> bool:
+        """Drop whole buckets older than the window; True if anything left."""
+        horizon = int((now - self.window_s) // self.bucket_s)
+        dropped = False
+        while self.buckets and self.buckets[0][0] < horizon:
+            _, ids = self.buckets.popleft()
+            for oid in ids:
+                self.events.pop(oid, None)
+            dropped = True
+        return dropped
