@@ -265,6 +265,9 @@ class Connection:
     # max(its own time, this time), so a resume is not judged by the age of what it resumes
     listened_ms: dict[str, int] = field(default_factory=dict)
     listen_all_from: Position | None = None
+    # unlistened while listening to all: never listened to again implicitly (only by a
+    # `listen` naming them), or their next match would replay them from listen_all_from
+    excluded: set[str] = field(default_factory=set)
     dirty: set[str] = field(default_factory=set)
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     outbox: list[bytes] = field(default_factory=list)
@@ -375,7 +378,8 @@ class Hub:
             for conn in (*(conns or ()), *all_conns):
                 pos = conn.positions.get(sub)
                 if pos is None:
-                    if conn.listen_all_from is None or conn.closed is not None:
+                    if (conn.listen_all_from is None or conn.closed is not None
+                            or sub in conn.excluded):
                         continue
                     pos = conn.listen_all_from
                     self.listen(conn, {sub: pos}, pos[0])
@@ -417,6 +421,7 @@ class Hub:
 
     def listen(self, conn: Connection, positions: dict[str, Position], at_ms: int) -> None:
         for sub, pos in positions.items():
+            conn.excluded.discard(sub)
             conn.positions[sub] = pos
             conn.listened_ms[sub] = at_ms
             self.by_sub.setdefault(sub, set()).add(conn)
@@ -468,7 +473,7 @@ class Hub:
             conn.dirty.clear()
             if conn.listen_all_from is not None:
                 for sub in subs:
-                    if sub not in conn.positions:
+                    if sub not in conn.positions and sub not in conn.excluded:
                         self.listen(conn, {sub: conn.listen_all_from}, conn.listen_all_from[0])
             await self.deliver(conn, subs, s.ws_queue_max)
 

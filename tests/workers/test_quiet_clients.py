@@ -122,6 +122,40 @@ def test_resume_by_cursor_after_a_quiet_pause(quick_server: LiveServer) -> None:
     asyncio.run(run())
 
 
+def test_unlisten_while_listening_to_all_sticks(quick_server: LiveServer) -> None:
+    """`unlisten` of one subscription on a listen-all connection: its later matches are not
+    delivered, and what it already delivered is never replayed; a `listen` naming it again
+    brings it back from then on."""
+    s = quick_server
+    key = s.new_key()
+    a = _sub(s, key, {"type": "range", "bbox": [50, 50, 51, 51]})
+    b = _sub(s, key, {"type": "range", "bbox": [52, 52, 53, 53]})
+
+    def both(ts: float) -> None:
+        _publish(s, key, [{"lon": 50.5, "lat": 50.5, "ts": ts},
+                          {"lon": 52.5, "lat": 52.5, "ts": ts}])
+
+    async def run() -> list[tuple[str, float]]:
+        listener = Listener(s.ws_url, key)
+        await listener.connect()
+        await listener.listen(all=True)
+        both(1.0)
+        assert await wait_for(lambda: len(listener.matches()) == 2, 15)
+        await listener.ws.send(orjson.dumps({"op": "unlisten", "subscriptions": [a]}).decode())
+        await asyncio.sleep(0.5)
+        both(2.0)
+        assert await wait_for(lambda: len(listener.matches()) == 3, 15)
+        await asyncio.sleep(2)  # several polls: nothing of `a` comes back
+        await listener.listen([a])
+        both(3.0)
+        assert await wait_for(lambda: len(listener.matches()) == 5, 15)
+        await asyncio.sleep(1)
+        await listener.close()
+        return sorted((m["subscription"], m["object"]["ts"]) for m in listener.matches())
+
+    assert asyncio.run(run()) == sorted([(a, 1.0), (b, 1.0), (b, 2.0), (a, 3.0), (b, 3.0)])
+
+
 def test_resume_beyond_retention_gets_gap_and_goes_on(tmp_path: Path,
                                                        embedded_redis: Any) -> None:
     """A cursor whose successors were trimmed: `gap` with the cursor to continue from, then

@@ -131,6 +131,8 @@ async def _handle_op(text: str, state: Any, hub: Hub, conn: Connection) -> bytes
         return _error("bad_request", "subscriptions must be a list of subscription ids")
     if op == "unlisten":
         hub.unlisten(conn, subs)
+        if conn.listen_all_from is not None:
+            conn.excluded.update(subs)
         return _listening(conn)
     since = msg.get("since") or {}
     if not isinstance(since, dict) or not all(isinstance(v, str) for v in since.values()):
