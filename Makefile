@@ -12,7 +12,7 @@ test-fast:
 	bash scripts/test.sh -m "not slow and not spark"
 
 lint:
-	bash -c 'source scripts/bootstrap.sh && $$VENV/bin/ruff check . && $$VENV/bin/mypy app/geo app/coordinator.py workers spark'
+	bash -c 'source scripts/bootstrap.sh && $$VENV/bin/ruff check . && $$VENV/bin/mypy app/geo workers spark'
 
 bench:
 	bash -c 'source scripts/bootstrap.sh && $$VENV/bin/geoswarm bench pipeline'

@@ -8,11 +8,12 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 
 from app.core.config import Settings, get_settings
+from app.core.processes import wait_until_ok
 
 app = typer.Typer(help="geoswarm: real-time location publish/subscribe", no_args_is_help=True)
 keys_app = typer.Typer(help="API keys", no_args_is_help=True)
@@ -142,8 +143,8 @@ def worker(
 def coordinator() -> None:
     """Run SWARM's Coordinator: load-balancing rounds and the admin API's rebalance requests.
     Run any number; one leads (a Redis lease), the others stand by and take over."""
-    from app.coordinator import run_coordinator
     from app.core.redis import resolve_redis_url
+    from workers.coordinator import run_coordinator
 
     _logging()
     settings = get_settings()
@@ -213,24 +214,6 @@ def _dev_admin_key(settings: Settings) -> str:
         return key
     finally:
         engine.dispose()
-
-
-def wait_until_ok(url: str, process: subprocess.Popen[Any] | None = None,
-                  timeout: float = 60.0) -> bool:
-    """Poll `url` until it answers 200; False on timeout or when `process` has exited."""
-    import httpx
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url, timeout=2).status_code == 200:
-                return True
-        except httpx.HTTPError:
-            pass
-        if process is not None and process.poll() is not None:
-            return False
-        time.sleep(0.1)
-    return False
 
 
 @app.command()

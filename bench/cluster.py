@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import redis
 
-from app.cli import wait_until_ok
+from app.core.processes import wait_until_ok
 from app.core.redis import free_port
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,4 +1,4 @@
-"""SWARM's Coordinator (app/coordinator.py) as a real process against a real Redis and SQLite,
+"""SWARM's Coordinator (workers/coordinator.py) as a real process against a real Redis and SQLite,
 with the workers played by threads that answer the protocol of app/pipeline/control.py from a
 script: rounds and reports, the decision pointer of Figure 9, reduce requests to mH, skipped
 rounds, the admin requests and the leader lease."""
