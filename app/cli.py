@@ -107,10 +107,9 @@ def worker(
     """Run one SWARM executor process."""
     import asyncio
 
-    import orjson
-
     from app.core.redis import async_client, resolve_redis_url, sync_client
-    from app.pipeline import records as R
+    from app.pipeline import names
+    from app.pipeline.cluster import heartbeat_fresh
     from app.pipeline.router import ensure_plan
     from workers.executor import run_worker
 
@@ -118,15 +117,14 @@ def worker(
     settings = get_settings()
     url, server = resolve_redis_url(settings)
     if check:
-        raw = sync_client(url).hget(R.WORKERS_KEY, id)
-        fresh = raw is not None and time.time() - orjson.loads(raw)["heartbeat"] < (
-            settings.worker_dead_after_s)
+        raw = sync_client(url).hget(names.WORKERS_KEY, id)
+        fresh = heartbeat_fresh(raw, time.time(), settings.worker_dead_after_s)
         raise typer.Exit(0 if fresh else 1)
 
     async def plan() -> None:
         client = async_client(url)
         try:
-            if await client.get(R.PLAN_KEY) is None:
+            if await client.get(names.PLAN_KEY) is None:
                 await ensure_plan(client, settings, settings.workers)
         finally:
             await client.aclose()

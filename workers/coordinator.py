@@ -3,7 +3,8 @@ periodic load-balancing rounds (collect every worker's report, R(S) and C(m), st
 pointer of Figure 9, ask the costliest worker mH to shed load to the cheapest mL, next mH when it
 cannot; merge adjacent partitions now and then) and serves the admin API's manual requests.
 
-The wire formats are app/pipeline/control.py's; the workers do the plan changes themselves.
+The commands are `wire.Command` messages; the workers do the plan changes themselves
+(app/pipeline/control.py).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import orjson
 import redis
 from sqlalchemy.exc import SQLAlchemyError
@@ -30,8 +32,7 @@ from app.core.redis import sync_client
 from app.geo.balance import Decision, DecisionPointer, mergeable
 from app.geo.index import Partition, Plan
 from app.models import BalancerRound
-from app.pipeline import control as C
-from app.pipeline import records as R
+from app.pipeline import cluster, names, wire
 from workers.lease import LEASE_SOCKET_TIMEOUT_S, Lease, LostLease
 
 log = logging.getLogger(__name__)
@@ -58,14 +59,6 @@ return redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[2], '*', 'm', ARGV[3])
 FENCED_SET = """
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return false end
 return redis.call('SET', KEYS[2], ARGV[2])
-"""
-# New partition ids never collide with the current plan's: PART_SEQ is first raised to the
-# largest "p<n>" in it (the initial plan's p0..p<k-1> are not allocated from PART_SEQ).
-# KEYS[1] = PART_SEQ; ARGV[1] = floor, ARGV[2] = count. Returns the last id's number.
-ALLOCATE_IDS = """
-local cur = tonumber(redis.call('GET', KEYS[1]) or '0')
-if cur < tonumber(ARGV[1]) then redis.call('SET', KEYS[1], ARGV[1]) end
-return redis.call('INCRBY', KEYS[1], ARGV[2])
 """
 
 
@@ -132,16 +125,6 @@ def _reply_ok(reply: dict[str, Any]) -> bool:
     return reply.get("ok") is not False and "error" not in reply
 
 
-def _max_id_number(plan: Plan) -> int:
-    best = 0
-    for p in plan.partitions:
-        if p.id.startswith("p") and p.id[1:].isdigit():
-            best = max(best, int(p.id[1:]))
-        if p.parent and p.parent.startswith("p") and p.parent[1:].isdigit():
-            best = max(best, int(p.parent[1:]))
-    return best
-
-
 class Coordinator:
     """SWARM's Coordinator process: `run()` until SIGTERM (warm) or a second signal (cold)."""
 
@@ -156,7 +139,7 @@ class Coordinator:
         self._incr = self.redis.register_script(FENCED_INCR)
         self._xadd = self.redis.register_script(FENCED_XADD)
         self._set = self.redis.register_script(FENCED_SET)
-        self._allocate = self.redis.register_script(ALLOCATE_IDS)
+        self._allocate = self.redis.register_script(cluster.ALLOCATE_IDS_SCRIPT)
         self.engine = make_engine(settings)
         self.sessions = make_sessionmaker(self.engine)
         self.defaults = BalancerConfig(enabled=settings.partitioning == "swarm",
@@ -226,7 +209,7 @@ class Coordinator:
             self.run_round("auto", cfg)
             return
         block = min(REQUEST_BLOCK_MAX_S, due_at - now) if cfg.enabled else REQUEST_BLOCK_MAX_S
-        item = self.redis.blpop([C.REQUESTS_KEY], timeout=max(0.01, block))
+        item = self.redis.blpop([names.REQUESTS_KEY], timeout=max(0.01, block))
         if item is not None:
             self.handle_request(item[1], cfg)
 
@@ -243,7 +226,7 @@ class Coordinator:
     def take_over(self, cfg: BalancerConfig) -> None:
         """Become the acting leader: continue from the persisted pointer and schedule."""
         self.term = self.lease.term
-        state = _loads(self.redis.get(C.BALANCER_STATE))
+        state = _loads(self.redis.get(names.BALANCER_STATE))
         self.state = state if isinstance(state, dict) else {}
         try:
             self.pointer = DecisionPointer.from_dict(self.state["pointer"])
@@ -263,10 +246,10 @@ class Coordinator:
 
     # --- config and state ----------------------------------------------------------------
     def read_config(self) -> BalancerConfig:
-        raw = self.redis.get(C.BALANCER_CONFIG)
+        raw = self.redis.get(names.BALANCER_CONFIG)
         if raw is None:
-            self.redis.set(C.BALANCER_CONFIG, self.defaults.to_json(), nx=True)
-            raw = self.redis.get(C.BALANCER_CONFIG)
+            self.redis.set(names.BALANCER_CONFIG, self.defaults.to_json(), nx=True)
+            raw = self.redis.get(names.BALANCER_CONFIG)
             if raw is None:
                 return self.defaults
         d = _loads(raw)
@@ -284,7 +267,7 @@ class Coordinator:
                 raise ValueError("beta must be an integer >= 1")
         except ValueError as exc:
             if raw != self._bad_config:
-                log.warning("ignoring invalid %s (%s): %r", C.BALANCER_CONFIG, exc, raw)
+                log.warning("ignoring invalid %s (%s): %r", names.BALANCER_CONFIG, exc, raw)
                 self._bad_config = raw
             return self.config
         return BalancerConfig(enabled=enabled, period_s=max(MIN_PERIOD_S, period), beta=beta)
@@ -295,7 +278,7 @@ class Coordinator:
         self.state["leader"] = self.id
         self.state["last_round_at"] = self.last_round_at
         self.state["quiet_rounds"] = self.quiet_rounds
-        done = self._set(keys=[C.LEASE_KEY, C.BALANCER_STATE],
+        done = self._set(keys=[names.LEASE_KEY, names.BALANCER_STATE],
                          args=[self.id, orjson.dumps(self.state)])
         if done is None:
             raise self.refused()
@@ -303,36 +286,31 @@ class Coordinator:
     # --- redis helpers ---------------------------------------------------------------------
     def live_workers(self, now: float | None = None) -> list[str]:
         now = time.time() if now is None else now
-        live = []
-        for wid, raw in self.redis.hgetall(R.WORKERS_KEY).items():
-            info = _loads(raw)
-            beat = _number(info.get("heartbeat")) if isinstance(info, dict) else None
-            if beat is not None and now - beat <= self.settings.worker_dead_after_s:
-                live.append(wid.decode() if isinstance(wid, bytes) else str(wid))
-        return sorted(live)
+        return cluster.live_workers(self.redis.hgetall(names.WORKERS_KEY).items(), now,
+                                    self.settings.worker_dead_after_s)
 
     def plan(self) -> Plan | None:
-        raw = self.redis.get(R.PLAN_KEY)
-        return None if raw is None else Plan.from_json(raw)
+        return cluster.read_plan(self.redis)
 
     def plan_version(self) -> int | None:
-        d = _loads(self.redis.get(R.PLAN_KEY))
+        d = _loads(self.redis.get(names.PLAN_KEY))
         return int(d["version"]) if isinstance(d, dict) and "version" in d else None
 
     def next_round(self) -> int:
-        n = self._incr(keys=[C.LEASE_KEY, C.ROUND_SEQ], args=[self.id])
+        n = self._incr(keys=[names.LEASE_KEY, names.ROUND_SEQ], args=[self.id])
         if n is None:
             raise self.refused()
         return int(n)
 
     def new_ids(self, plan: Plan, count: int) -> list[str]:
-        last = int(self._allocate(keys=[C.PART_SEQ], args=[_max_id_number(plan), count]))
-        return C.partition_ids(last - count + 1, count)
+        last = int(self._allocate(keys=[names.PART_SEQ],
+                                  args=[cluster.part_seq_floor(plan), count]))
+        return cluster.partition_ids(last, count)
 
-    def send(self, worker: str, msg: dict[str, Any]) -> None:
+    def send(self, worker: str, msg: wire.Command) -> None:
         self.check()
-        entry = self._xadd(keys=[C.LEASE_KEY, C.command_stream(worker)],
-                           args=[self.id, COMMAND_MAXLEN, R.pack(msg)])
+        entry = self._xadd(keys=[names.LEASE_KEY, names.command_stream(worker)],
+                           args=[self.id, COMMAND_MAXLEN, wire.encode_command(msg)])
         if entry is None:
             raise self.refused()
 
@@ -346,24 +324,26 @@ class Coordinator:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return None
-            item = self.redis.blpop([C.reply_key(token)], timeout=max(0.01, min(0.5, remaining)))
+            item = self.redis.blpop([names.reply_key(token)],
+                                    timeout=max(0.01, min(0.5, remaining)))
             if item is not None:
                 reply = _loads(item[1])
                 return reply if isinstance(reply, dict) else {"ok": False,
                                                                "error": "unreadable reply"}
             self.check()
 
-    def command(self, worker: str, msg: dict[str, Any], cfg: BalancerConfig
+    def command(self, worker: str, msg: wire.Command, cfg: BalancerConfig
                 ) -> dict[str, Any] | None:
         """Send a command that wants a reply; its deadline and reply token are added here."""
         token = secrets.token_hex(8)
-        msg = {**msg, "deadline": time.time() + cfg.report_timeout_s, "reply": token}
+        msg = msgspec.structs.replace(msg, deadline=time.time() + cfg.report_timeout_s,
+                                      reply=token)
         self.send(worker, msg)
         return self.wait_reply(token, cfg.reply_timeout_s)
 
     def collect_reports(self, n: int, live: list[str], timeout: float
                         ) -> dict[str, dict[str, Any]]:
-        key = C.report_key(n)
+        key = names.report_key(n)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and not self.stop.is_set():
             if self.redis.hlen(key) >= len(live):
@@ -397,7 +377,7 @@ class Coordinator:
             rec.details["reason"] = "no live workers"
         else:
             for w in live:
-                self.send(w, {"t": "round", "n": n})
+                self.send(w, wire.RoundCommand(round=n))
             reports = self.collect_reports(n, live, cfg.report_timeout_s)
             missing = [w for w in live if w not in reports]
             if missing:
@@ -465,9 +445,9 @@ class Coordinator:
                 continue
             rec.mh = rec.mh or mh
             ids = self.new_ids(plan, owned + 2)
-            reply = self.command(mh, {"t": "reduce", "n": rec.round, "to": ml,
-                                      "c_ml": costs[ml], "r_s": r_s, "ids": ids,
-                                      "version": plan.version}, cfg)
+            reply = self.command(mh, wire.ReduceCommand(
+                round=rec.round, to=ml, cost_ml=costs[ml], r_s=r_s, ids=ids,
+                plan_version=plan.version), cfg)
             attempts.append({"mh": mh, "ids": ids,
                              "reply": reply or {"ok": False, "error": "timeout"}})
             if reply is not None and _reply_ok(reply) and reply.get("action") in ("move",
@@ -491,7 +471,7 @@ class Coordinator:
             if not mergeable(mine):
                 continue
             ids = self.new_ids(plan, len(mine) - 1)
-            reply = self.command(w, {"t": "merge", "ids": ids, "version": plan.version}, cfg)
+            reply = self.command(w, wire.MergeCommand(ids=ids, plan_version=plan.version), cfg)
             merges.append({"worker": w, "ids": ids,
                            "reply": reply or {"ok": False, "error": "timeout"}})
             if reply is not None and _reply_ok(reply) and reply.get("action") != "none":
@@ -514,7 +494,7 @@ class Coordinator:
             log.warning("dropping an unreadable admin request: %r", raw)
             return
         if not self.lease.held() or self.lease.term != self.term:
-            self.redis.lpush(C.REQUESTS_KEY, raw)  # for the next leader
+            self.redis.lpush(names.REQUESTS_KEY, raw)  # for the next leader
             raise LostLease("the lease lapsed")
         try:
             reply = self.serve(req, cfg)
@@ -531,8 +511,8 @@ class Coordinator:
 
     def reply(self, token: str, body: dict[str, Any]) -> None:
         pipe = self.redis.pipeline(transaction=True)
-        pipe.rpush(C.reply_key(token), orjson.dumps(body))
-        pipe.expire(C.reply_key(token), REPLY_TTL_S)
+        pipe.rpush(names.reply_key(token), orjson.dumps(body))
+        pipe.expire(names.reply_key(token), REPLY_TTL_S)
         pipe.execute()
 
     def serve(self, req: dict[str, Any], cfg: BalancerConfig) -> dict[str, Any]:
@@ -569,20 +549,22 @@ class Coordinator:
         t0 = time.monotonic()
         n = self.next_round()
         if kind == "move":
-            msg: dict[str, Any] = {"t": "move", "partitions": [part.id], "to": req["to"],
-                                   "ids": self.new_ids(plan, 1), "version": plan.version}
+            msg: wire.MoveCommand | wire.SplitCommand = wire.MoveCommand(
+                partitions=[part.id], to=req["to"], ids=self.new_ids(plan, 1),
+                plan_version=plan.version)
         else:
-            msg = {"t": "split", "partition": part.id, "axis": req["axis"], "at": req["at"],
-                   "moved": None, "to": owner, "ids": self.new_ids(plan, 2),
-                   "version": plan.version}
+            msg = wire.SplitCommand(partition=part.id, axis=req["axis"], at=req["at"],
+                                    moved=None, to=owner, ids=self.new_ids(plan, 2),
+                                    plan_version=plan.version)
         reply = self.command(owner, msg, cfg)
         rec = RoundRecord(round=n, started_at=started, kind="manual",
                           stage=self.pointer.stage.name, decision="manual",
                           r_s=float(self.state.get("r_s") or 0.0),
                           costs=dict(self.state.get("costs") or {}), mh=owner,
-                          ml=msg["to"] if kind == "move" else None,
+                          ml=msg.to if kind == "move" else None,
                           details={"leader": self.id, "request": req,
-                                   "command": {k: v for k, v in msg.items() if k != "reply"},
+                                   "command": {k: v for k, v in msgspec.to_builtins(msg).items()
+                                               if k not in ("reply", "deadline")},
                                    "reply": reply})
         if reply is None:
             out = {"status": 503,

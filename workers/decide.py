@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from app.geo.matcher import SubscriptionIndex
+from app.pipeline.wire import ObjectBatch
 
 I64 = np.ndarray[Any, np.dtype[np.int64]]
 
@@ -71,24 +72,31 @@ class Matches:
     detect: np.ndarray[Any, np.dtype[np.uint8]]
 
 
-def decide(t: TenantIndex, cols: dict[str, list[Any]], at: list[float]) -> Matches:
+def known(p: tuple[float, float] | None) -> tuple[float, float]:
+    """A previous position the caller knows is there."""
+    if p is None:
+        raise ValueError("a record marked with a previous position has none")
+    return p
+
+
+def decide(t: TenantIndex, batch: ObjectBatch, at: list[float]) -> Matches:
     """inside / enter / exit for every (record, subscription) of the batch, vectorised."""
-    lon = np.asarray(cols["lon"], dtype=np.float64)
-    lat = np.asarray(cols["lat"], dtype=np.float64)
-    kws = cols["kw"]
+    lon = np.asarray(batch.lon, dtype=np.float64)
+    lat = np.asarray(batch.lat, dtype=np.float64)
+    kws = batch.keywords
     o_new, k_new = t.index.match(lon, lat, kws)
-    xo = np.asarray(cols["xo"], dtype=bool)
-    mv = np.asarray(cols["mv"], dtype=bool)
-    late = np.asarray(cols["late"], dtype=bool)
-    dx = np.asarray(cols["dx"], dtype=bool)
+    xo = np.asarray(batch.exit_only, dtype=bool)
+    mv = np.asarray(batch.moving, dtype=bool)
+    late = np.asarray(batch.late, dtype=bool)
+    dx = np.asarray(batch.decide_exit, dtype=bool)
     at_a = np.asarray(at, dtype=np.float64)
     # Records with a usable previous position (moving, in order): match the previous
     # position too, with the new record's keywords, to see transitions.
-    has_prev = np.fromiter((p is not None for p in cols["prev"]), dtype=bool,
-                           count=len(cols["prev"])) & ~late
+    has_prev = np.fromiter((p is not None for p in batch.prev), dtype=bool,
+                           count=len(batch.prev)) & ~late
     pr = np.flatnonzero(has_prev)
     if pr.size:
-        prev = [cols["prev"][i] for i in pr.tolist()]
+        prev = [known(batch.prev[i]) for i in pr.tolist()]
         plon = np.asarray([p[0] for p in prev], dtype=np.float64)
         plat = np.asarray([p[1] for p in prev], dtype=np.float64)
         o_p, k_prev = t.index.match(plon, plat, [kws[i] for i in pr.tolist()])

@@ -22,11 +22,17 @@ import redis
 from app.core.config import Settings
 from app.core.db import make_engine, make_sessionmaker
 from app.geo import balance
-from app.geo.index import GlobalIndex, Partition, Plan
+from app.geo.index import GlobalIndex, Partition
 from app.geo.matcher import SubscriptionIndex, sub_from_spec
-from app.pipeline import control as C
-from app.pipeline import records as R
-from app.pipeline.router import grid_of, replicated_worker_of, targets_for_spec
+from app.pipeline import cluster, names, records, wire
+from app.pipeline.control import PLAN_CAS_SCRIPT
+from app.pipeline.records import public_record
+from app.pipeline.router import (
+    grid_of,
+    replicated_worker_of,
+    subscription_message,
+    targets_for_spec,
+)
 from app.services.subscriptions import all_live
 from workers.decide import Matches, SubInfo, TenantIndex, decide
 from workers.knn import MERGE_SCRIPT, KnnState, KnnSub, knn_sub
@@ -65,7 +71,7 @@ class Executor:
         # redis-py's reply types are unions of every RESP shape; treat replies as Any here.
         self.redis: Any = redis.Redis.from_url(redis_url, socket_timeout=30,
                                                socket_connect_timeout=5)
-        self.stream = R.worker_stream(worker_id)
+        self.stream = names.worker_stream(worker_id)
         self.tenants: dict[str, TenantIndex] = {}
         self.key_seq = 0
         self.index: GlobalIndex | None = None
@@ -80,12 +86,12 @@ class Executor:
         self._history = self.redis.register_script(HISTORY_SCRIPT)
         self.pending_history: list[tuple[str, int, list[str], list[bytes], dict[str, bytes]]] = []
         # SWARM load balancing (§4.2-§5).
-        self.cmd_stream = C.command_stream(worker_id)
+        self.cmd_stream = names.command_stream(worker_id)
         self.replicated = settings.partitioning == "replicated"
-        self.plan_cas = self.redis.register_script(C.PLAN_CAS_SCRIPT)
+        self.plan_cas = self.redis.register_script(PLAN_CAS_SCRIPT)
         self.ledger = SwarmLedger(grid_of(settings))
         self.migration = Migration(self)
-        self.sub_msgs: dict[str, dict[str, Any]] = {}  # sub id -> its sub+ message
+        self.sub_msgs: dict[str, wire.SubscriptionCopy] = {}  # what the handoffs carry
         self.tombstones: dict[str, float] = {}
         self.round_received = 0  # objects and subscriptions this round (replicated mode's R)
         self.forwarded = 0
@@ -129,16 +135,15 @@ class Executor:
     def _ensure_group(self) -> None:
         for stream in (self.stream, self.cmd_stream):
             try:
-                self.redis.xgroup_create(stream, R.GROUP, id="0", mkstream=True)
+                self.redis.xgroup_create(stream, names.GROUP, id="0", mkstream=True)
             except redis.ResponseError as exc:
                 if "BUSYGROUP" not in str(exc):
                     raise
 
     def load_plan(self) -> None:
         while not self.stopping:
-            raw = self.redis.get(R.PLAN_KEY)
-            if raw is not None:
-                plan = Plan.from_json(raw)
+            plan = cluster.read_plan(self.redis)
+            if plan is not None:
                 if self.index is None or plan.version > self.index.plan.version:
                     self.index = GlobalIndex(plan)
                 return
@@ -155,17 +160,16 @@ class Executor:
         try:
             with make_sessionmaker(engine)() as session:
                 rows = all_live(session, time.time())
-                msgs: list[dict[str, Any]] = [{"id": r.id, "tenant": r.tenant, "spec": r.spec,
-                         "expires_at": r.expires_at} for r in rows]
+                msgs = [subscription_message(r) for r in rows]
         finally:
             engine.dispose()
         assert self.index is not None
         # Entries replayed after a crash may add subscriptions deleted before it (the
         # tombstones died with the process): during the replay only these count as live.
-        self.sql_live = {m["id"] for m in msgs}
+        self.sql_live = {m.id for m in msgs}
         mine = [m for m in msgs
-                if self.id in targets_for_spec(self.index, m["spec"], self.replicated)]
-        self.handle_subs_added(mine)
+                if self.id in targets_for_spec(self.index, m.spec, self.replicated)]
+        self.add_subscriptions(mine)
         log.info("worker %s rebuilt %d subscriptions from SQL", self.id, len(mine))
 
     def _rebuild_positions(self) -> None:
@@ -173,11 +177,11 @@ class Executor:
         events of the window are not rebuilt after a crash."""
         assert self.index is not None
         me = self.index.workers.index(self.id) if self.id in self.index.workers else -1
-        for key in self.redis.scan_iter(match="gs:pos:*", count=1000):
-            tenant = key.decode()[len("gs:pos:"):]
+        for key in self.redis.scan_iter(match=names.POSITIONS_PREFIX + "*", count=1000):
+            tenant = key.decode()[len(names.POSITIONS_PREFIX):]
             ids, lons, lats, rest = [], [], [], []
             for oid, raw in self.redis.hscan_iter(key, count=1000):
-                ts, lon, lat, kws, _props = R.unpack(raw) if isinstance(raw, bytes) else raw
+                ts, lon, lat, kws, _props = records.unpack_position(raw)
                 ids.append(oid.decode())
                 lons.append(lon)
                 lats.append(lat)
@@ -203,11 +207,11 @@ class Executor:
     def merge_knn(self, tenant: str, subs: list[KnnSub], pipe: Any) -> None:
         for sub in subs:
             local = orjson.dumps([list(n) for n in sub.local])
-            self._merge(keys=[f"gs:knn:{sub.id}", R.history_key(sub.id),
-                              R.history_last_key(sub.id)],
+            self._merge(keys=[names.knn_key(sub.id), names.history_key(sub.id),
+                              names.history_last_key(sub.id)],
                         args=[self.id, local, sub.k, self.settings.history_max_len,
                               int(self.settings.history_max_age_s) + 60, tenant,
-                              R.HISTORY_LAST_TTL_S],
+                              names.HISTORY_LAST_TTL_S],
                         client=pipe)
 
     def _heartbeat(self) -> None:
@@ -219,7 +223,7 @@ class Executor:
             "plan_version": self.index.plan.version if self.index else None,
             "partitions": self.owned_ids, "forwarded": self.forwarded, "folds": self.ledger.folds,
         }
-        self.redis.hset(R.WORKERS_KEY, self.id, orjson.dumps(info))
+        self.redis.hset(names.WORKERS_KEY, self.id, orjson.dumps(info))
 
     def _heartbeat_loop(self) -> None:
         while not self.stopping:
@@ -236,20 +240,20 @@ class Executor:
         delivered too often. Commands pending from before a crash are dropped: their sender
         has timed out and decided without this worker."""
         while True:
-            reply = self.redis.xreadgroup(R.GROUP, self.id, {self.cmd_stream: "0"}, count=500)
+            reply = self.redis.xreadgroup(names.GROUP, self.id, {self.cmd_stream: "0"}, count=500)
             stale = [e[0] for e in (reply[0][1] if reply else [])]
             if not stale:
                 break
-            self.redis.xack(self.cmd_stream, R.GROUP, *stale)
+            self.redis.xack(self.cmd_stream, names.GROUP, *stale)
         start = "0-0"
         while True:
-            reply = self.redis.xautoclaim(self.stream, R.GROUP, self.id, min_idle_time=0,
+            reply = self.redis.xautoclaim(self.stream, names.GROUP, self.id, min_idle_time=0,
                                           start_id=start, count=500)
             start = reply[0].decode() if isinstance(reply[0], bytes) else reply[0]
             if start in ("0-0", "0"):
                 break
         while not self.stopping:
-            reply = self.redis.xreadgroup(R.GROUP, self.id, {self.stream: "0"}, count=200)
+            reply = self.redis.xreadgroup(names.GROUP, self.id, {self.stream: "0"}, count=200)
             entries = reply[0][1] if reply else []
             if not entries:
                 return
@@ -258,7 +262,8 @@ class Executor:
     def _step(self) -> None:
         # Commands are read in the same call as objects: an idle worker wakes at once, a busy
         # one sees them after the current batch, not behind its whole backlog.
-        reply = self.redis.xreadgroup(R.GROUP, self.id, {self.stream: ">", self.cmd_stream: ">"},
+        reply = self.redis.xreadgroup(names.GROUP, self.id,
+                                      {self.stream: ">", self.cmd_stream: ">"},
                                       count=256, block=1000)
         # Commands first: entries read in the same call that a move made stale are then
         # forwarded (either order is correct; this one never delays a command behind a batch).
@@ -277,7 +282,7 @@ class Executor:
         self.replaying = replay
         ids = [e[0] for e in entries]
         if replay:
-            done = self.redis.mget([R.done_key(self.id, i.decode()) for i in ids])
+            done = self.redis.mget([names.done_key(self.id, i.decode()) for i in ids])
             counts = self._delivery_counts(ids)
             keep = []
             for (eid, fields), d in zip(entries, done, strict=True):
@@ -288,27 +293,26 @@ class Executor:
                     continue
                 keep.append((eid, fields))
             entries = keep
-        msgs: list[tuple[bytes, dict[str, Any]]] = []
+        msgs: list[wire.WorkerEntry] = []
         for eid, fields in entries:
             try:
-                msgs.append((eid, R.unpack(fields[b"m"])))
-            except Exception as exc:  # noqa: BLE001 - a poison entry must not stop the shard
+                msgs.append(wire.decode_entry(fields[b"m"]))
+            except (KeyError, ValueError) as exc:  # a poison entry must not stop the shard
                 self._dead_letter(eid, fields, f"undecodable: {exc}")
         pipe = self.redis.pipeline(transaction=True)
         notify: dict[str, set[str]] = {}
         # Consecutive object entries of one tenant are matched as one batch; control
         # messages keep their place in the stream order.
-        group: list[dict[str, Any]] = []
-        for _eid, msg in msgs:
-            kind = msg.get("t")
-            if kind == "obj":
-                if not self.replicated and msg.get("v", 0) < self.version:
+        group: list[wire.ObjectBatch] = []
+        for msg in msgs:
+            if isinstance(msg, wire.ObjectBatch):
+                if not self.replicated and msg.plan_version < self.version:
                     # routed with an older plan: forward what is no longer ours (§5.1)
                     local = self.migration.reroute(msg, pipe)
                     if local is None:
                         continue
                     msg = local
-                if group and group[0]["tn"] != msg["tn"]:
+                if group and group[0].tenant != msg.tenant:
                     self._match_group(group, pipe, notify)
                     group = []
                 group.append(msg)
@@ -316,21 +320,16 @@ class Executor:
             if group:
                 self._match_group(group, pipe, notify)
                 group = []
-            if kind == "sub+":
-                if not self.replicated and msg.get("v", 0) < self.version:
-                    self.migration.forward_subs(msg["subs"], pipe)
-                self.handle_subs_added(msg["subs"], pipe)
-                for m in msg["subs"]:
-                    if m["spec"]["type"] == "knn":
-                        notify.setdefault(m["tenant"], set()).add(m["id"])
-            elif kind == "sub-":
-                self.handle_subs_removed(msg["ids"])
-            elif kind == "handoff":
+            if isinstance(msg, wire.SubsAdded):
+                self.handle_subs_added(msg, pipe, notify)
+            elif isinstance(msg, wire.SubsRemoved):
+                self.handle_subs_removed(msg.ids)
+            else:
                 self.migration.receive_handoff(msg, pipe, notify)
         if group:
             self._match_group(group, pipe, notify)
         for eid in ids:
-            pipe.set(R.done_key(self.id, eid.decode()), b"1", ex=24 * 3600)
+            pipe.set(names.done_key(self.id, eid.decode()), b"1", ex=24 * 3600)
         writes, self.pending_history = self.pending_history, []
         slots = []
         ttl = int(self.settings.history_max_age_s) + 60
@@ -339,14 +338,14 @@ class Executor:
                 slots.append(len(pipe.command_stack))
                 keys: list[str] = []
                 for sub in sub_ids[a:a + HISTORY_CHUNK]:
-                    keys += (R.history_key(sub), R.history_last_key(sub))
+                    keys += (names.history_key(sub), names.history_last_key(sub))
                 self._history(keys=keys,
                               args=[bucket, tenant, self.settings.history_max_len, ttl,
-                                    R.HISTORY_LAST_TTL_S, *refs[a:a + HISTORY_CHUNK]],
+                                    names.HISTORY_LAST_TTL_S, *refs[a:a + HISTORY_CHUNK]],
                               client=pipe)
         results = pipe.execute()
         self.notify(writes, [results[i] for i in slots], notify)
-        self.redis.xack(self.stream, R.GROUP, *ids)
+        self.redis.xack(self.stream, names.GROUP, *ids)
 
     def notify(self, writes: list[tuple[str, int, list[str], list[bytes], dict[str, bytes]]],
                 replies: list[list[bytes]], notify: dict[str, set[str]]) -> None:
@@ -354,22 +353,24 @@ class Executor:
         records they reference, so caught-up clients get them without a read."""
         pipe = self.redis.pipeline(transaction=False)
         it = iter(replies)
-        for tenant, bucket, sub_ids, refs, records in writes:
+        for tenant, bucket, sub_ids, refs, stored in writes:
             entries = []
             for a in range(0, len(sub_ids), HISTORY_CHUNK):
                 reply = next(it)
                 for j, sid in enumerate(sub_ids[a:a + HISTORY_CHUNK]):
-                    entries.append((sid, reply[2 * j], reply[2 * j + 1], refs[a + j]))
-            pipe.publish(R.NOTIFY_CHANNEL, R.pack({"tn": tenant, "b": bucket, "e": entries,
-                                                   "r": records}))
+                    entries.append((sid, reply[2 * j].decode(), reply[2 * j + 1].decode(),
+                                    refs[a + j]))
+            pipe.publish(names.NOTIFY_CHANNEL, wire.encode_notification(wire.HistoryAppended(
+                tenant=tenant, bucket=bucket, entries=entries, records=stored)))
         for tenant, subs in notify.items():
-            pipe.publish(R.NOTIFY_CHANNEL, R.pack({"tn": tenant, "s": sorted(subs)}))
+            pipe.publish(names.NOTIFY_CHANNEL, wire.encode_notification(
+                wire.SubsChanged(tenant=tenant, subs=sorted(subs))))
         pipe.execute()
 
     def _delivery_counts(self, ids: list[bytes]) -> dict[bytes, int]:
         if not ids:
             return {}
-        rows = self.redis.xpending_range(self.stream, R.GROUP, min=ids[0], max=ids[-1],
+        rows = self.redis.xpending_range(self.stream, names.GROUP, min=ids[0], max=ids[-1],
                                          count=len(ids) + 10)
         out = {}
         for row in rows:
@@ -379,10 +380,10 @@ class Executor:
 
     def _dead_letter(self, eid: bytes, fields: dict[bytes, bytes], why: str) -> None:
         log.error("worker %s: entry %s to the dead-letter stream: %s", self.id, eid, why)
-        self.redis.xadd(R.DEAD_LETTER, {b"stream": self.stream.encode(), b"id": eid,
+        self.redis.xadd(names.DEAD_LETTER, {b"stream": self.stream.encode(), b"id": eid,
                                         b"why": why.encode(), **fields}, maxlen=100_000)
-        self.redis.xack(self.stream, R.GROUP, eid)
-        self.redis.incr("gs:metrics:dead_letter")
+        self.redis.xack(self.stream, names.GROUP, eid)
+        self.redis.incr(names.DEAD_LETTER_COUNT)
 
     def _trim(self, now: float) -> None:
         """Trim the worker stream below the oldest pending entry (never what is pending) and
@@ -390,8 +391,8 @@ class Executor:
         try:
             groups = self.redis.xinfo_groups(self.stream)
             last = next((g["last-delivered-id"] for g in groups
-                         if g["name"] in (R.GROUP, R.GROUP.encode())), None)
-            summary = self.redis.xpending(self.stream, R.GROUP)
+                         if g["name"] in (names.GROUP, names.GROUP.encode())), None)
+            summary = self.redis.xpending(self.stream, names.GROUP)
             floor = summary["min"] if summary and summary.get("pending") else last
             if floor:
                 self.redis.execute_command("XTRIM", self.stream, "MINID", floor)
@@ -399,41 +400,49 @@ class Executor:
                 min_id = f"{int((now - self.settings.history_max_age_s) * 1000)}-0"
                 pipe = self.redis.pipeline(transaction=False)
                 for sub in self.touched:
-                    pipe.execute_command("XTRIM", R.history_key(sub), "MINID", "~", min_id)
+                    pipe.execute_command("XTRIM", names.history_key(sub), "MINID", "~", min_id)
                 pipe.execute()
                 self.touched.clear()
         except redis.ResponseError as exc:
             log.warning("worker %s: trim failed: %s", self.id, exc)
 
     # --- subscriptions -------------------------------------------------------------------
-    def handle_subs_added(self, subs: list[dict[str, Any]], pipe: Any = None) -> None:
+    def handle_subs_added(self, msg: wire.SubsAdded, pipe: Any,
+                          notify: dict[str, set[str]]) -> None:
+        if not self.replicated and msg.plan_version < self.version:
+            self.migration.forward_subs(msg.subs, pipe)
+        self.add_subscriptions(msg.subs, pipe)
+        for m in msg.subs:
+            if m.spec["type"] == "knn":
+                notify.setdefault(m.tenant, set()).add(m.id)
+
+    def add_subscriptions(self, subs: list[wire.SubscriptionCopy], pipe: Any = None) -> None:
         for m in subs:
-            if m["id"] in self.tombstones or m["id"] in self.sub_msgs:
+            if m.id in self.tombstones or m.id in self.sub_msgs:
                 continue  # deleted already (a late copy), or known
-            if self.replaying and m["id"] not in self.sql_live:
+            if self.replaying and m.id not in self.sql_live:
                 continue  # a pre-crash copy of a subscription deleted since
-            spec = m["spec"]
-            self.sub_msgs[m["id"]] = m
+            spec = m.spec
+            self.sub_msgs[m.id] = m
             assert self.index is not None
             self.round_received += 1
-            self.ledger.add_query(m["id"], rect_of(self.index.grid, spec))
+            self.ledger.add_query(m.id, rect_of(self.index.grid, spec))
             if spec["type"] == "knn":
-                state = self.knn_state(m["tenant"])
-                if m["id"] not in state.subs:
-                    sub = state.add(knn_sub(m["id"], spec))
-                    self.merge_knn(m["tenant"], [sub], pipe if pipe is not None else self.redis)
+                state = self.knn_state(m.tenant)
+                if m.id not in state.subs:
+                    sub = state.add(knn_sub(m.id, spec))
+                    self.merge_knn(m.tenant, [sub], pipe if pipe is not None else self.redis)
                 continue
-            t = self.tenants.get(m["tenant"])
+            t = self.tenants.get(m.tenant)
             if t is None:
-                assert self.index is not None
-                t = self.tenants[m["tenant"]] = TenantIndex(SubscriptionIndex(self.index.grid))
-            if m["id"] in t.key_of:
+                t = self.tenants[m.tenant] = TenantIndex(SubscriptionIndex(self.index.grid))
+            if m.id in t.key_of:
                 continue
             self.key_seq += 1
             key = self.key_seq
             t.index.add(sub_from_spec(key, spec))
-            t.put(key, SubInfo(m["id"], frozenset(spec.get("detect") or ("inside",)),
-                               m.get("expires_at")))
+            t.put(key, SubInfo(m.id, frozenset(spec.get("detect") or ("inside",)),
+                               m.expires_at))
 
     def handle_subs_removed(self, ids: list[str]) -> None:
         now = time.time()
@@ -444,7 +453,7 @@ class Executor:
         for state in self.knn.values():
             for sid in ids:
                 if state.subs.pop(sid, None) is not None:
-                    self.redis.delete(f"gs:knn:{sid}")
+                    self.redis.delete(names.knn_key(sid))
         for t in self.tenants.values():
             for sid in ids:
                 key = t.key_of.get(sid)
@@ -453,71 +462,59 @@ class Executor:
                     t.drop(key)
 
     # --- objects -------------------------------------------------------------------------
-    def _match_group(self, group: list[dict[str, Any]], pipe: Any,
+    def _match_group(self, group: list[wire.ObjectBatch], pipe: Any,
                      notify: dict[str, set[str]]) -> None:
-        tenant = group[0]["tn"]
-        cols = {k: [v for m in group for v in m[k]] for k in
-                ("id", "rid", "mv", "lon", "lat", "ts", "kw", "txt", "pr", "prev", "late",
-                 "xo", "dx")}
-        at = [m["at"] for m in group for _ in m["id"]]
-        self.received += len(cols["id"])
-        self._count_objects(cols)
-        changed = self.knn_state(tenant).apply(cols, at, time.time())
+        batch = wire.ObjectBatch.concat(group)
+        tenant = batch.tenant
+        at = [b.sent_at for b in group for _ in b.ids]
+        self.received += len(batch)
+        self._count_objects(batch)
+        changed = self.knn_state(tenant).apply(batch, at, time.time())
         if changed:
             self.merge_knn(tenant, changed, pipe)
             notify.setdefault(tenant, set()).update(s.id for s in changed)
         t = self.tenants.get(tenant)
         if t is None or not t.subs:
             return
-        matches = decide(t, cols, at)
+        matches = decide(t, batch, at)
         if not matches.rows.size:
             return
-        self.write_matches(tenant, cols, matches, pipe, notify)
+        self.write_matches(batch, matches, pipe)
 
-    def write_matches(self, tenant: str, cols: dict[str, list[Any]], m: Matches, pipe: Any,
-                      notify: dict[str, set[str]]) -> None:
+    def write_matches(self, batch: wire.ObjectBatch, m: Matches, pipe: Any) -> None:
         """Store each matched record once and queue one history entry per subscription for
         the batch (cursor = entry id + index); the entries are written by HISTORY_SCRIPT in
         `_process`, in the same transaction as the entry's done-marker."""
+        tenant = batch.tenant
         bucket = int(time.time() // 30)
-        rows = np.unique(m.rows).tolist()
-        records = {}
-        ids, lon, lat, ts, kw, txt, pr = (cols[k] for k in
-                                          ("id", "lon", "lat", "ts", "kw", "txt", "pr"))
-        rid = cols["rid"]
-        for i in rows:
-            rec: dict[str, Any] = {"id": ids[i], "lon": lon[i], "lat": lat[i], "ts": ts[i],
-                                   "keywords": kw[i]}
-            if txt[i] is not None:
-                rec["text"] = txt[i]
-            if pr[i] is not None:
-                rec["props"] = pr[i]
-            records[rid[i]] = orjson.dumps(rec)
-        rkey = R.records_key(tenant, bucket)
+        records = {batch.record_ids[i]: orjson.dumps(public_record(
+            batch.ids[i], batch.lon[i], batch.lat[i], batch.ts[i], batch.keywords[i],
+            batch.text[i], batch.props[i])) for i in np.unique(m.rows).tolist()}
+        rkey = names.records_key(tenant, bucket)
         pipe.hset(rkey, mapping=records)
         pipe.expire(rkey, int(self.settings.history_max_age_s) + 90)
         keys, starts = np.unique(m.keys, return_index=True)
         ends = np.append(starts[1:], m.keys.size)
-        rid_arr = np.asarray(rid, dtype=object)[m.rows]
+        rid_arr = np.asarray(batch.record_ids, dtype=object)[m.rows]
         t = self.tenants[tenant]
         sub_ids = t.ids[keys].tolist()
-        refs = [R.pack([rid_arr[a:b].tolist(), m.detect[a:b].tobytes()])
+        refs = [wire.encode_refs(wire.MatchRefs(rid_arr[a:b].tolist(), m.detect[a:b].tobytes()))
                 for a, b in zip(starts.tolist(), ends.tolist(), strict=True)]
         self.pending_history.append((tenant, bucket, sub_ids, refs, records))
         self.matched += int(m.rows.size)
         self.touched.update(sub_ids)
 
     # --- SWARM statistics (§4.2, kept by the ledger) ------------------------------------
-    def _count_objects(self, cols: dict[str, list[Any]]) -> None:
+    def _count_objects(self, batch: wire.ObjectBatch) -> None:
         """New objects (not exit-only copies) into the ledger."""
-        xo = np.asarray(cols["xo"], dtype=bool)
+        xo = np.asarray(batch.exit_only, dtype=bool)
         keep = np.flatnonzero(~xo)
         self.round_received += int(keep.size)
         if not keep.size or self.replicated or not self.ledger.stats:
             return
         assert self.index is not None
-        lon = np.asarray(cols["lon"], dtype=np.float64)[keep]
-        lat = np.asarray(cols["lat"], dtype=np.float64)[keep]
+        lon = np.asarray(batch.lon, dtype=np.float64)[keep]
+        lat = np.asarray(batch.lat, dtype=np.float64)[keep]
         self.ledger.add_objects(*self.index.grid.cells_of(lon, lat),
                                 bucket=int(time.time() // self.settings.bucket_s))
 
@@ -561,39 +558,37 @@ class Executor:
         })
         self.round_received = 0
         pipe = self.redis.pipeline(transaction=False)
-        pipe.hset(C.report_key(round_no), self.id, report)
-        pipe.expire(C.report_key(round_no), 3600)
-        pipe.hset(C.STATS_KEY, self.id, report)
+        pipe.hset(names.report_key(round_no), self.id, report)
+        pipe.expire(names.report_key(round_no), 3600)
+        pipe.hset(names.STATS_KEY, self.id, report)
         pipe.execute()
 
-    # --- commands from the coordinator (app/pipeline/control.py) ---------------------------
+    # --- commands from the coordinator (wire.Command) -------------------------------------
     def _command(self, eid: bytes, fields: dict[bytes, bytes]) -> None:
         try:
-            msg = R.unpack(fields[b"m"])
-        except Exception as exc:  # noqa: BLE001 - a bad command must not stop the worker
+            cmd = wire.decode_command(fields[b"m"])
+        except (KeyError, ValueError) as exc:  # a bad command must not stop the worker
             log.error("worker %s: undecodable command %s: %s", self.id, eid, exc)
-            self.redis.xack(self.cmd_stream, R.GROUP, eid)
+            self.redis.xack(self.cmd_stream, names.GROUP, eid)
             return
-        kind = msg.get("t")
+        reply: dict[str, Any] | None = None
         try:
-            if kind == "round":
-                self._report(int(msg["n"]))
-                reply: dict[str, Any] | None = None
+            if isinstance(cmd, wire.RoundCommand):
+                self._report(cmd.round)
             else:
-                reply = {"ok": True, **self.migration.command(str(kind), msg)}
+                reply = {"ok": True, **self.migration.command(cmd)}
         except CommandRefused as exc:
             reply = {"ok": False, "action": "none", "error": str(exc)}
         except (KeyError, ValueError, TypeError) as exc:
-            log.exception("worker %s: bad command %r", self.id, msg)
+            log.exception("worker %s: bad command %r", self.id, cmd)
             reply = {"ok": False, "action": "none", "error": f"invalid command: {exc}"}
-        if reply is not None and msg.get("reply"):
+        if reply is not None and cmd.reply:
             reply["worker"] = self.id
             pipe = self.redis.pipeline(transaction=False)
-            pipe.rpush(C.reply_key(str(msg["reply"])), orjson.dumps(reply))
-            pipe.expire(C.reply_key(str(msg["reply"])), 60)
+            pipe.rpush(names.reply_key(cmd.reply), orjson.dumps(reply))
+            pipe.expire(names.reply_key(cmd.reply), 60)
             pipe.execute()
-        self.redis.xack(self.cmd_stream, R.GROUP, eid)
-
+        self.redis.xack(self.cmd_stream, names.GROUP, eid)
 
 
 def run_worker(settings: Settings, worker_id: str, redis_url: str) -> None:

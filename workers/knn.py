@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from app.geo.geometry import haversine_m
+from app.pipeline.wire import ObjectBatch
 from workers.window import LiveWindow
 
 # KEYS[1] = gs:knn:<sub> (hash: worker -> local list JSON, "_merged" -> ids JSON)
@@ -107,26 +108,26 @@ class KnnState:
         self.subs[sub.id] = sub
         return sub
 
-    def apply(self, cols: dict[str, list[Any]], at: list[float], now: float) -> list[KnnSub]:
+    def apply(self, batch: ObjectBatch, at: list[float], now: float) -> list[KnnSub]:
         """Fold a batch into the owned objects; return the subscriptions whose local top-k
         changed."""
         touched: list[tuple[float, float, frozenset[str]]] = []
         removed = False
-        for i, oid in enumerate(cols["id"]):
-            kws = frozenset(cols["kw"][i])
-            if cols["xo"][i]:
+        for i, oid in enumerate(batch.ids):
+            kws = frozenset(batch.keywords[i])
+            if batch.exit_only[i]:
                 # exit-only copy: the object moved to another worker's partition
-                if not cols["late"][i]:
-                    removed |= self.objects.remove_moving(oid, cols["ts"][i])
+                if not batch.late[i]:
+                    removed |= self.objects.remove_moving(oid, batch.ts[i])
                 continue
-            if cols["mv"][i]:
-                if cols["late"][i]:
+            if batch.moving[i]:
+                if batch.late[i]:
                     continue
-                self.objects.upsert_moving(oid, cols["lon"][i], cols["lat"][i], kws,
-                                           cols["ts"][i])
+                self.objects.upsert_moving(oid, batch.lon[i], batch.lat[i], kws,
+                                           batch.ts[i])
             else:
-                self.objects.add_event(oid, cols["lon"][i], cols["lat"][i], kws, at[i])
-            touched.append((cols["lon"][i], cols["lat"][i], kws))
+                self.objects.add_event(oid, batch.lon[i], batch.lat[i], kws, at[i])
+            touched.append((batch.lon[i], batch.lat[i], kws))
         removed |= self.objects.expire(now)
         return self.refresh(removed, touched)
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import redis
 
-from app.pipeline import control as C
+from app.pipeline import names
 
 log = logging.getLogger(__name__)
 
@@ -84,8 +84,8 @@ class Lease:
         sent = time.monotonic()
         ttl_ms = self._ttl_ms()
         # SET NX; or the lease is still ours (a renewal that failed on our side only).
-        if self.redis.set(C.LEASE_KEY, self.id, nx=True, px=ttl_ms) or int(
-            self._renew(keys=[C.LEASE_KEY], args=[self.id, ttl_ms])
+        if self.redis.set(names.LEASE_KEY, self.id, nx=True, px=ttl_ms) or int(
+            self._renew(keys=[names.LEASE_KEY], args=[self.id, ttl_ms])
         ) == 1:
             self._renewed(sent)
             self.term += 1
@@ -96,7 +96,7 @@ class Lease:
 
     def renew(self) -> None:
         sent = time.monotonic()
-        done = int(self._renew(keys=[C.LEASE_KEY], args=[self.id, self._ttl_ms()]))
+        done = int(self._renew(keys=[names.LEASE_KEY], args=[self.id, self._ttl_ms()]))
         if done == 1:
             self._renewed(sent)
         elif done == 0:
@@ -121,7 +121,7 @@ class Lease:
         """Compare-and-delete (after the thread has stopped), so a standby takes over at once."""
         self._held = False
         try:
-            if int(self._release(keys=[C.LEASE_KEY], args=[self.id])) == 1:
+            if int(self._release(keys=[names.LEASE_KEY], args=[self.id])) == 1:
                 log.info("coordinator %s released the lease", self.id)
         except (redis.RedisError, OSError) as exc:
             log.warning("coordinator %s could not release the lease: %s", self.id, exc)

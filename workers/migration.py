@@ -19,14 +19,18 @@ import numpy as np
 
 from app.geo import balance
 from app.geo.index import GlobalIndex, Partition, Plan
-from app.pipeline import control as C
-from app.pipeline import records as R
+from app.pipeline import names, wire
+from app.pipeline.control import plan_cas_args
 from app.pipeline.router import targets_for_spec
+from workers.decide import known
 
 if TYPE_CHECKING:
     from workers.executor import Executor
 
 log = logging.getLogger(__name__)
+
+
+BalanceCommand = wire.ReduceCommand | wire.MoveCommand | wire.SplitCommand | wire.MergeCommand
 
 
 class CommandRefused(Exception):
@@ -39,7 +43,7 @@ class Migration:
     def __init__(self, executor: Executor) -> None:
         self.ex = executor
 
-    def reroute(self, msg: dict[str, Any], pipe: Any) -> dict[str, Any] | None:
+    def reroute(self, msg: wire.ObjectBatch, pipe: Any) -> wire.ObjectBatch | None:
         """An entry routed with an older plan: rows whose new position is owned by another
         worker now go there unprocessed, and each exit decision goes to the owner of the
         previous position, so each record is decided exactly once even across a move. Returns
@@ -49,15 +53,15 @@ class Migration:
         assert ex.index is not None
         index = ex.index
         me = index.workers.index(ex.id) if ex.id in index.workers else -1
-        n = len(msg["id"])
-        new_w = index.worker_of_points(np.asarray(msg["lon"], dtype=np.float64),
-                                       np.asarray(msg["lat"], dtype=np.float64))
-        xo = np.asarray(msg["xo"], dtype=bool)
-        dx = np.asarray(msg["dx"], dtype=bool)
+        n = len(msg)
+        new_w = index.worker_of_points(np.asarray(msg.lon, dtype=np.float64),
+                                       np.asarray(msg.lat, dtype=np.float64))
+        xo = np.asarray(msg.exit_only, dtype=bool)
+        dx = np.asarray(msg.decide_exit, dtype=bool)
         prev_w = np.full(n, -1, dtype=np.int64)
         need = np.flatnonzero(xo | dx)
         if need.size:
-            prev = [msg["prev"][i] for i in need.tolist()]
+            prev = [known(msg.prev[i]) for i in need.tolist()]
             prev_w[need] = index.worker_of_points(
                 np.asarray([p[0] for p in prev], dtype=np.float64),
                 np.asarray([p[1] for p in prev], dtype=np.float64))
@@ -75,55 +79,56 @@ class Migration:
                 dest.setdefault(int(new_w[i]), []).append((i, False, bool(dx[i])))
         local = None
         for w, rows in dest.items():
-            sub = {k: ([v[i] for i, _, _ in rows] if isinstance(v, list) else v)
-                   for k, v in msg.items()}
-            sub["xo"] = [x for _, x, _ in rows]
-            sub["dx"] = [d for _, _, d in rows]
-            sub["v"] = index.version
+            sub = msg.take([i for i, _, _ in rows])
+            sub.exit_only = [x for _, x, _ in rows]
+            sub.decide_exit = [d for _, _, d in rows]
+            sub.plan_version = index.version
             if w == me:
                 local = sub
             else:
-                pipe.xadd(R.worker_stream(index.workers[w]), {b"m": R.pack(sub)})
+                pipe.xadd(names.worker_stream(index.workers[w]), {b"m": wire.encode_entry(sub)})
                 ex.forwarded += len(rows)
         return local
 
-    def forward_subs(self, subs: list[dict[str, Any]], pipe: Any) -> None:
+    def forward_subs(self, subs: list[wire.SubscriptionCopy], pipe: Any) -> None:
         """Subscriptions routed with an older plan: also send them to the workers that own
         their regions now (adding is idempotent; deleted ids are tombstoned)."""
         ex = self.ex
         ex.load_plan()
         assert ex.index is not None
-        fwd: dict[str, list[dict[str, Any]]] = {}
+        fwd: dict[str, list[wire.SubscriptionCopy]] = {}
         for m in subs:
-            if m["spec"]["type"] != "range" or m["id"] in ex.tombstones:
+            if m.spec["type"] != "range" or m.id in ex.tombstones:
                 continue  # keyword and kNN subscriptions are on every worker already
-            for w in targets_for_spec(ex.index, m["spec"]):
+            for w in targets_for_spec(ex.index, m.spec):
                 if w != ex.id:
                     fwd.setdefault(w, []).append(m)
         for w, ms in fwd.items():
-            pipe.xadd(R.worker_stream(w), {b"m": R.encode_subs_added(ms, ex.version)})
+            pipe.xadd(names.worker_stream(w), {b"m": wire.encode_entry(
+                wire.SubsAdded(subs=ms, plan_version=ex.version))})
 
-    def receive_handoff(self, msg: dict[str, Any], pipe: Any,
+    def receive_handoff(self, msg: wire.Handoff, pipe: Any,
                          notify: dict[str, set[str]]) -> None:
         """mL's side of a move (§5.1): the partitions' subscriptions, window statistics and
         moving objects, read before anything routed to us under the new plan."""
         ex = self.ex
         ex.load_plan()
         assert ex.index is not None
-        if ex.version < msg["v"]:
-            raise RuntimeError(f"handoff for plan {msg['v']} but the stored plan is older")
+        if ex.version < msg.plan_version:
+            raise RuntimeError(f"handoff for plan {msg.plan_version} but the stored plan is "
+                               "older")
         ledger = ex.ledger
-        for pid in msg["parts"]:
+        for pid in msg.partitions:
             # seen early in a plan reload: seed it again, now with what the handoff brings
             ledger.stats.pop(pid, None)
-        ledger.receive_window(msg["win"])
-        ex.handle_subs_added(msg["subs"], pipe)
+        ledger.receive_window(msg.window)
+        ex.add_subscriptions(msg.subs, pipe)
         parts = {p.id: p for p in ex.owned()}
-        for pid, exported in (msg.get("stats") or {}).items():
+        for pid, exported in msg.stats.items():
             if pid in parts:  # else it moved on again meanwhile
                 ledger.restore(parts[pid], exported)
         ex.sync_stats()
-        for tenant, objs in msg["mv"].items():
+        for tenant, objs in msg.moving.items():
             state = ex.knn_state(tenant)
             touched = []
             for oid, lon, lat, kws, ts in objs:
@@ -134,7 +139,7 @@ class Migration:
                 ex.merge_knn(tenant, changed, pipe)
                 notify.setdefault(tenant, set()).update(s.id for s in changed)
         log.info("worker %s received %s from %s (plan %d): %d subscriptions",
-                 ex.id, msg["parts"], msg["from"], msg["v"], len(msg["subs"]))
+                 ex.id, msg.partitions, msg.sender, msg.plan_version, len(msg.subs))
 
     def transfer(self, new_plan: Plan) -> dict[str, Any]:
         """Apply a plan that changes only this worker's partitions: hand the partitions given
@@ -166,10 +171,10 @@ class Migration:
                 return f(*grid.cells_of(lon, lat))
 
             subs = [ex.sub_msgs[sid] for sid, rect in ledger.sub_rect.items()
-                    if ex.sub_msgs[sid]["spec"]["type"] == "range"
+                    if ex.sub_msgs[sid].spec["type"] == "range"
                     and any(p.overlaps(*rect) for p in parts)]
             win = ledger.export_window(inside_cells, taken)
-            mv: dict[str, list[Any]] = {}
+            mv: dict[str, list[wire.MovingObject]] = {}
             for tenant, state in ex.knn.items():
                 objs = state.objects.moving_in(inside)
                 if objs:
@@ -179,13 +184,12 @@ class Migration:
             # included); the halves of a split are seeded from the window instead.
             shipped = {p.id: ledger.stats[old_rects[(p.x0, p.y0, p.x1, p.y1)]].export()
                        for p in parts if (p.x0, p.y0, p.x1, p.y1) in old_rects}
-            handoffs.append((R.worker_stream(w), R.pack({
-                "t": "handoff", "v": new_plan.version, "from": ex.id,
-                "parts": [p.id for p in parts], "subs": subs, "win": win, "mv": mv,
-                "stats": shipped})))
+            handoffs.append((names.worker_stream(w), wire.encode_entry(wire.Handoff(
+                plan_version=new_plan.version, sender=ex.id, partitions=[p.id for p in parts],
+                subs=subs, window=win, moving=mv, stats=shipped))))
         plan_json = new_plan.to_json()
-        keys, args = C.plan_cas_args(old.version, plan_json, new_plan.version, time.time(),
-                                     R.PLAN_CHANNEL, handoffs)
+        keys, args = plan_cas_args(old.version, plan_json, new_plan.version, time.time(),
+                                   names.PLAN_CHANNEL, handoffs)
         if not ex.plan_cas(keys=keys, args=args):
             raise CommandRefused(f"the plan is no longer version {old.version}")
         ex.index = GlobalIndex(new_plan)
@@ -211,51 +215,50 @@ class Migration:
                 "partitions": [p.to_dict() for p in new_plan.partitions
                                if p.id not in old_ids]}
 
-    def command(self, kind: str, msg: dict[str, Any]) -> dict[str, Any]:
+    def command(self, cmd: BalanceCommand) -> dict[str, Any]:
+        """Carry out a reduce / move / split / merge from the coordinator; the reply's fields
+        (action, version, details)."""
         ex = self.ex
-        if msg.get("deadline") is not None and time.time() > float(msg["deadline"]):
+        if cmd.deadline is not None and time.time() > cmd.deadline:
             raise CommandRefused("deadline passed")
         ex.load_plan()
-        if int(msg["version"]) != ex.version:
-            raise CommandRefused(f"plan version {msg['version']} is stale "
+        if cmd.plan_version != ex.version:
+            raise CommandRefused(f"plan version {cmd.plan_version} is stale "
                                  f"(current {ex.version})")
         if ex.replicated:
             raise CommandRefused("partitioning is replicated: nothing to move")
         assert ex.index is not None
         plan = ex.index.plan
         mine = {p.id: p for p in ex.owned()}
-        ids = iter([str(i) for i in msg.get("ids", [])])
-        if kind == "reduce":
-            to = str(msg["to"])
-            if to == ex.id:
+        ids = iter(cmd.ids)
+        if isinstance(cmd, wire.ReduceCommand):
+            if cmd.to == ex.id:
                 raise CommandRefused("mL is this worker")
             stats = [ex.ledger.stats[pid] for pid in sorted(mine)]
-            red = balance.reduce_workload(stats, float(msg["c_ml"]), float(msg["r_s"]))
+            red = balance.reduce_workload(stats, cmd.cost_ml, cmd.r_s)
             if red is None:
                 return {"action": "none", "details": {"reason": "no feasible reduction"}}
             action = "move" if isinstance(red, balance.MoveSubset) else "split"
-            details = self.transfer(balance.apply_reduction(plan, red, to, ids))
+            details = self.transfer(balance.apply_reduction(plan, red, cmd.to, ids))
             if isinstance(red, balance.SplitMove):
                 details["split"] = {"partition": red.partition_id, **red.split._asdict()}
             else:
                 details["moved"] = list(red.partition_ids)
             return {"action": action, "version": details["version"], "details": details}
-        if kind == "move":
-            pids = [str(p) for p in msg["partitions"]]
-            missing = [p for p in pids if p not in mine]
+        if isinstance(cmd, wire.MoveCommand):
+            missing = [p for p in cmd.partitions if p not in mine]
             if missing:
                 raise CommandRefused(f"partitions {missing} are not owned by {ex.id}")
-            details = self.transfer(balance.apply_move(plan, pids, str(msg["to"]), ids))
-            details["moved"] = pids
+            details = self.transfer(balance.apply_move(plan, cmd.partitions, cmd.to, ids))
+            details["moved"] = cmd.partitions
             return {"action": "move", "version": details["version"], "details": details}
-        if kind == "split":
-            pid = str(msg["partition"])
+        if isinstance(cmd, wire.SplitCommand):
+            pid = cmd.partition
             if pid not in mine:
                 raise CommandRefused(f"partition {pid} is not owned by {ex.id}")
-            axis, at = msg["axis"], int(msg["at"])
-            moved = msg.get("moved")
-            if moved is None:
-                low, high = balance.split_partition(mine[pid], axis, at, (next(ids), next(ids)))
+            if cmd.moved is None:
+                low, high = balance.split_partition(mine[pid], cmd.axis, cmd.at,
+                                                    (next(ids), next(ids)))
                 parts = []
                 for p in plan.partitions:
                     parts.extend([low, high] if p.id == pid else [p])
@@ -263,15 +266,14 @@ class Migration:
                                 members=plan.members)
                 new_plan.validate()
             else:
-                split = balance.Split(axis, at, moved, 0.0)
-                new_plan = balance.apply_split(plan, pid, split, str(msg["to"]), ids)
+                split = balance.Split(cmd.axis, cmd.at, cmd.moved, 0.0)
+                new_plan = balance.apply_split(plan, pid, split, cmd.to, ids)
             details = self.transfer(new_plan)
-            details["split"] = {"partition": pid, "axis": axis, "at": at, "moved": moved}
+            details["split"] = {"partition": pid, "axis": cmd.axis, "at": cmd.at,
+                                "moved": cmd.moved}
             return {"action": "split", "version": details["version"], "details": details}
-        if kind == "merge":
-            new_plan = balance.apply_merges(plan, ids, worker=ex.id)
-            if new_plan is plan:
-                return {"action": "none", "details": {"reason": "nothing to merge"}}
-            details = self.transfer(new_plan)
-            return {"action": "merge", "version": details["version"], "details": details}
-        raise CommandRefused(f"unknown command {kind!r}")
+        new_plan = balance.apply_merges(plan, ids, worker=ex.id)
+        if new_plan is plan:
+            return {"action": "none", "details": {"reason": "nothing to merge"}}
+        details = self.transfer(new_plan)
+        return {"action": "merge", "version": details["version"], "details": details}

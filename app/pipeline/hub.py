@@ -13,14 +13,15 @@ import contextlib
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
+import msgspec
 import orjson
 import redis.asyncio as aioredis
 import redis.exceptions
 
 from app.core.metrics import WS_CLOSED, WS_CONNECTIONS, WS_MESSAGES
-from app.pipeline import records as R
+from app.pipeline import names, wire
 
 if TYPE_CHECKING:
     from app.core.security import Principal
@@ -111,7 +112,8 @@ class HistoryBatch:
     first_unread_ms: int | None = None  # server time of the oldest entry read that was unread
 
 
-Parsed = tuple[str, tuple[int, int], list[Any], dict[bytes, bytes]]
+Parsed = tuple[str, tuple[int, int], wire.MatchRefs, dict[bytes, bytes]]
+NO_REFS = wire.MatchRefs([], b"")  # a kNN entry references no records
 
 
 async def read_history(redis: aioredis.Redis, sub_id: str, pos: Position, count: int,
@@ -127,7 +129,7 @@ async def read_histories(redis: aioredis.Redis, positions: dict[str, Position], 
     subs = list(positions)
     pipe = redis.pipeline(transaction=False)
     for sub in subs:
-        pipe.xrange(R.history_key(sub), min=entry_start(positions[sub]), count=count)
+        pipe.xrange(names.history_key(sub), min=entry_start(positions[sub]), count=count)
     replies = await pipe.execute()
     parsed: dict[str, list[Parsed]] = {}
     wanted: dict[bytes, set[bytes]] = {}
@@ -135,11 +137,11 @@ async def read_histories(redis: aioredis.Redis, positions: dict[str, Position], 
         rows = parsed[sub] = []
         for eid_b, fields in entries:
             eid = eid_b.decode()
-            refs = R.unpack(fields[b"m"]) if b"m" in fields else [[], b""]
+            refs = wire.decode_refs(fields[b"m"]) if b"m" in fields else NO_REFS
             rows.append((eid, parse_entry_id(eid), refs, fields))
             if b"b" in fields:
-                rkey = R.records_key(tenant, int(fields[b"b"])).encode()
-                wanted.setdefault(rkey, set()).update(r.encode() for r in refs[0])
+                rkey = names.records_key(tenant, int(fields[b"b"])).encode()
+                wanted.setdefault(rkey, set()).update(r.encode() for r in refs.record_ids)
     records: dict[bytes, dict[str, bytes | None]] = {}
     if wanted:
         pipe = redis.pipeline(transaction=False)
@@ -164,7 +166,7 @@ def render_entries(sub_id: str, parsed: list[Parsed], records: dict[bytes, dict[
     at = (pos[0], pos[1])
     for eid, key, refs, fields in parsed:
         if key == at:  # the entry of the cursor itself: only what follows its index
-            if b"k" in fields or pos[2] >= len(refs[0]) - 1:
+            if b"k" in fields or pos[2] >= len(refs.record_ids) - 1:
                 continue
         elif first_unread_ms is None and not is_start(pos):
             prev = fields.get(b"p")
@@ -178,18 +180,17 @@ def render_entries(sub_id: str, parsed: list[Parsed], records: dict[bytes, dict[
                          + b',"neighbors":' + fields[b"k"] + b"}")
             last = (key[0], key[1], 0)
             continue
-        recs = records.get(R.records_key(tenant, int(fields[b"b"])).encode(), {})
+        recs = records.get(names.records_key(tenant, int(fields[b"b"])).encode(), {})
         lines += render_matches(sub_json, eid, refs, recs, pos[2] if key == at else -1)
-        last = (key[0], key[1], max(0, len(refs[0]) - 1))
+        last = (key[0], key[1], max(0, len(refs.record_ids) - 1))
     return HistoryBatch(lines=lines, position=last, full=len(parsed) >= count,
                         first_unread_ms=first_unread_ms)
 
 
-def render_matches(sub_json: bytes, eid: str, refs: list[Any], recs: dict[str, bytes | None],
-                   after: int = -1) -> list[bytes]:
-    """The match messages of one history entry (references [record ids, detect codes]),
-    skipping indexes up to `after`."""
-    rids, codes = refs
+def render_matches(sub_json: bytes, eid: str, refs: wire.MatchRefs,
+                   recs: dict[str, bytes | None], after: int = -1) -> list[bytes]:
+    """The match messages of one history entry, skipping indexes up to `after`."""
+    rids, codes = refs.record_ids, refs.detect
     lines = []
     prefix = b'{"type":"match","subscription":' + sub_json + b',"cursor":"' + eid.encode()
     for idx in range(after + 1, len(rids)):
@@ -217,8 +218,8 @@ async def resume_positions(redis: aioredis.Redis, cursors: dict[str, Position],
     subs = list(cursors)
     pipe = redis.pipeline(transaction=False)
     for sub in subs:
-        pipe.xrange(R.history_key(sub), min=entry_start(cursors[sub]), count=2)
-        pipe.get(R.history_last_key(sub))
+        pipe.xrange(names.history_key(sub), min=entry_start(cursors[sub]), count=2)
+        pipe.get(names.history_last_key(sub))
     replies = await pipe.execute()
     out: dict[str, tuple[Position, bool]] = {}
     for n, sub in enumerate(subs):
@@ -308,70 +309,75 @@ class Hub:
         while True:
             try:
                 pubsub = self.redis.pubsub()
-                await pubsub.subscribe(R.NOTIFY_CHANNEL, R.REVOKED_CHANNEL, R.SUBS_CHANNEL,
-                                      R.PLAN_CHANNEL)
+                await pubsub.subscribe(names.NOTIFY_CHANNEL, names.REVOKED_CHANNEL,
+                                       names.SUBS_CHANNEL, names.PLAN_CHANNEL)
                 # A reconnect may have missed notifications: wake everyone once.
                 for conn in self.conns:
                     conn.mark(conn.positions)
                 async for msg in pubsub.listen():
                     if msg.get("type") != "message":
                         continue
-                    if msg["channel"] == R.PLAN_CHANNEL.encode():
-                        # A new plan version: reload at once rather than at the next check.
-                        if self.state.router is not None:
-                            await self.state.router.refresh()
-                        continue
-                    data = msg["data"]
-                    if msg["channel"] == R.NOTIFY_CHANNEL.encode():
-                        self._dispatch(msg["channel"], R.unpack(data))
-                    else:
-                        self._dispatch(msg["channel"], orjson.loads(data))
+                    await self._on_message(msg["channel"].decode(), msg["data"])
             except asyncio.CancelledError:
                 raise
             except (redis.exceptions.RedisError, OSError) as exc:
                 log.warning("hub: notification channel lost (%s); reconnecting", exc)
                 await asyncio.sleep(0.5)
 
-    def _dispatch(self, channel: bytes, data: dict[str, Any]) -> None:
-        ch = channel.decode()
-        if ch == R.NOTIFY_CHANNEL:
-            if "e" in data:
-                self._push(data)
-                return
-            subs = data["s"]
-            for sub in subs:
-                for conn in self.by_sub.get(sub, ()):
-                    conn.mark((sub,))
-            for conn in self.all_by_tenant.get(data["tn"], ()):
-                conn.mark(subs)
-        elif ch == R.REVOKED_CHANNEL:
-            for conn in list(self.conns):
-                if conn.principal.key_id == data["key"]:
-                    conn.close_soon(1008, "API key revoked")
-        elif ch == R.SUBS_CHANNEL:
-            for sub in data.get("deleted", []):
-                for conn in list(self.by_sub.get(sub, ())):
-                    self.unlisten(conn, [sub])
-            for sub in data.get("expired", []):
-                for conn in list(self.by_sub.get(sub, ())):
-                    conn.outbox.append(orjson.dumps({"type": "expired", "subscription": sub}))
-                    self.unlisten(conn, [sub])
-                    conn.wake.set()
+    async def _on_message(self, channel: str, data: bytes) -> None:
+        try:
+            if channel == names.NOTIFY_CHANNEL:
+                note = wire.decode_notification(data)
+                if isinstance(note, wire.HistoryAppended):
+                    self.handle_history_appended(note)
+                else:
+                    self.handle_subs_changed(note)
+            elif channel == names.PLAN_CHANNEL:
+                # A new plan version: reload at once rather than at the next check.
+                if self.state.router is not None:
+                    await self.state.router.refresh()
+            elif channel == names.REVOKED_CHANNEL:
+                self.handle_key_revoked(wire.decode_revoked(data))
+            elif channel == names.SUBS_CHANNEL:
+                self.handle_subs_gone(wire.decode_gone(data))
+        except msgspec.DecodeError as exc:
+            log.error("hub: undecodable message on %s: %s", channel, exc)
 
-    def _push(self, data: dict[str, Any]) -> None:
+    def handle_subs_changed(self, note: wire.SubsChanged) -> None:
+        for sub in note.subs:
+            for conn in self.by_sub.get(sub, ()):
+                conn.mark((sub,))
+        for conn in self.all_by_tenant.get(note.tenant, ()):
+            conn.mark(note.subs)
+
+    def handle_key_revoked(self, msg: wire.KeyRevoked) -> None:
+        for conn in list(self.conns):
+            if conn.principal.key_id == msg.key:
+                conn.close_soon(1008, "API key revoked")
+
+    def handle_subs_gone(self, msg: wire.SubsGone) -> None:
+        for sub in msg.deleted:
+            for conn in list(self.by_sub.get(sub, ())):
+                self.unlisten(conn, [sub])
+        for sub in msg.expired:
+            for conn in list(self.by_sub.get(sub, ())):
+                conn.outbox.append(orjson.dumps({"type": "expired", "subscription": sub}))
+                self.unlisten(conn, [sub])
+                conn.wake.set()
+
+    def handle_history_appended(self, note: wire.HistoryAppended) -> None:
         """New history entries, pushed by a worker with the id of the entry before each: a
         connection whose position is exactly there gets the entry from memory; any other
         reads the history stream (its pump), so nothing is skipped or sent twice."""
-        tenant = data["tn"]
-        records: dict[str, bytes] = data["r"]
+        tenant = note.tenant
+        records: dict[str, bytes | None] = dict(note.records)
         all_conns = self.all_by_tenant.get(tenant, ())
         limit = self.settings.ws_queue_max
-        for sub, prev_b, eid_b, packed in data["e"]:
+        for sub, prev_id, eid, packed in note.entries:
             conns = self.by_sub.get(sub)
             if not conns and not all_conns:
                 continue
-            prev = parse_entry_id(prev_b.decode() if isinstance(prev_b, bytes) else prev_b)
-            eid = eid_b.decode() if isinstance(eid_b, bytes) else eid_b
+            prev = parse_entry_id(prev_id)
             key = parse_entry_id(eid)
             lines: list[bytes] | None = None
             last_index = 0
@@ -389,9 +395,9 @@ class Hub:
                     conn.mark((sub,))
                     continue
                 if lines is None:
-                    refs = R.unpack(packed)
+                    refs = wire.decode_refs(packed)
                     lines = render_matches(orjson.dumps(sub), eid, refs, records)
-                    last_index = max(0, len(refs[0]) - 1)
+                    last_index = max(0, len(refs.record_ids) - 1)
                 if len(conn.outbox) + len(lines) > limit:
                     # The in-memory queue is full: this client reads from the history
                     # stream at its own pace instead (and is closed if it falls too far).
@@ -403,7 +409,7 @@ class Hub:
                 conn.wake.set()
 
     async def key_revoked(self, key_id: str) -> None:
-        await self.redis.publish(R.REVOKED_CHANNEL, orjson.dumps({"key": key_id}))
+        await self.redis.publish(names.REVOKED_CHANNEL, wire.encode_json(wire.KeyRevoked(key_id)))
 
     # --- listening ----------------------------------------------------------------------
     def register(self, conn: Connection) -> None:

@@ -1,4 +1,5 @@
-"""Published records as a columnar batch, and the one encoder/decoder pair per stream message."""
+"""Published records after validation, as a columnar batch, their server ids, and the stream
+entry (`wire.ObjectBatch`) each worker gets of them."""
 
 from __future__ import annotations
 
@@ -10,46 +11,7 @@ from typing import Any
 
 import msgpack
 
-# Stream and key names. Everything geoswarm writes to Redis starts with "gs:".
-PLAN_KEY = "gs:plan"
-PLAN_CHANNEL = "gs:plan:changed"
-WORKERS_KEY = "gs:workers"  # hash worker id -> json {pid, host, heartbeat, ...}
-NOTIFY_CHANNEL = "gs:notify"  # workers -> hubs: subscriptions that have new history entries
-REVOKED_CHANNEL = "gs:revoked"  # api -> hubs: revoked key ids
-SUBS_CHANNEL = "gs:subs"  # api -> hubs: deleted / expired subscriptions
-GROUP = "exec"
-DEAD_LETTER = "gs:dead"
-
-
-def worker_stream(worker: str) -> str:
-    return f"gs:w:{worker}"
-
-
-def history_key(sub_id: str) -> str:
-    return f"gs:h:{sub_id}"
-
-
-def history_last_key(sub_id: str) -> str:
-    """The id of the last history entry ever written for a subscription. It outlives the
-    history stream (which expires when quiet) so that a resume can tell a quiet subscription
-    from one whose unread entries were trimmed."""
-    return f"gs:hl:{sub_id}"
-
-
-HISTORY_LAST_TTL_S = 30 * 24 * 3600
-
-
-def positions_key(tenant: str) -> str:
-    return f"gs:pos:{tenant}"
-
-
-def records_key(tenant: str, bucket: int) -> str:
-    return f"gs:rec:{tenant}:{bucket}"
-
-
-def done_key(worker: str, entry_id: str) -> str:
-    return f"gs:done:{worker}:{entry_id}"
-
+from app.pipeline.wire import ObjectBatch
 
 _prefix = secrets.token_hex(4)
 _counter = itertools.count()
@@ -88,46 +50,67 @@ class RecordBatch:
     props: list[dict[str, Any] | None]
     size: int
 
-    def record(self, i: int) -> dict[str, Any]:
-        out: dict[str, Any] = {"id": self.ids[i], "lon": self.lon[i], "lat": self.lat[i],
-                               "ts": self.ts[i], "keywords": self.keywords[i]}
-        if self.text[i] is not None:
-            out["text"] = self.text[i]
-        if self.props[i] is not None:
-            out["props"] = self.props[i]
-        return out
+
+def object_batch(batch: RecordBatch, rows: list[int], record_ids: list[str],
+                 prev: list[tuple[float, float] | None], late: list[bool],
+                 exit_only: list[bool], decide_exit: list[bool], sent_at: float,
+                 plan_version: int) -> ObjectBatch:
+    """The stream entry for one worker: the rows it must evaluate, with their previous
+    positions (for detect) and whether it only decides `exit` for them."""
+    return ObjectBatch(
+        tenant=batch.tenant, sent_at=sent_at, plan_version=plan_version,
+        ids=[batch.ids[i] for i in rows], record_ids=[record_ids[i] for i in rows],
+        moving=[batch.moving[i] for i in rows], lon=[batch.lon[i] for i in rows],
+        lat=[batch.lat[i] for i in rows], ts=[batch.ts[i] for i in rows],
+        keywords=[batch.keywords[i] for i in rows], text=[batch.text[i] for i in rows],
+        props=[batch.props[i] for i in rows], prev=[prev[i] for i in rows],
+        late=[late[i] for i in rows], exit_only=[exit_only[i] for i in rows],
+        decide_exit=[decide_exit[i] for i in rows])
 
 
-def pack(msg: Any) -> bytes:
-    return msgpack.packb(msg, use_bin_type=True)  # type: ignore[no-any-return]
+def public_record(object_id: str, lon: float, lat: float, ts: float, keywords: list[str],
+                  text: str | None, props: dict[str, Any] | None) -> dict[str, Any]:
+    """A record as clients see it (in matches): `text` and `props` only when given."""
+    out: dict[str, Any] = {"id": object_id, "lon": lon, "lat": lat, "ts": ts,
+                           "keywords": keywords}
+    if text is not None:
+        out["text"] = text
+    if props is not None:
+        out["props"] = props
+    return out
 
 
-def unpack(data: bytes) -> dict[str, Any]:
-    return msgpack.unpackb(data, raw=False, strict_map_key=False)  # type: ignore[no-any-return]
+# A moving object's latest record in `names.positions_key(tenant)`: a msgpack array
+# [ts, lon, lat, keywords, props] (the last-writer-wins script reads ts at index 1).
+Position = tuple[float, float, float, list[str], dict[str, Any] | None]
 
 
-def encode_objects(batch: RecordBatch, rows: list[int], rids: list[str],
-                   prev: list[tuple[float, float] | None], late: list[bool],
-                   exit_only: list[bool], decide_exit: list[bool], sent_at: float,
-                   version: int) -> bytes:
-    """A stream entry for one worker: the records it must evaluate, with their previous
-    positions (for detect) and whether it only decides `exit` for them. `version` is the plan
-    version the router used: a worker whose plan is newer re-routes the entry (SWARM §5.1)."""
-    return pack({
-        "t": "obj", "tn": batch.tenant, "at": sent_at, "v": version,
-        "id": [batch.ids[i] for i in rows], "rid": [rids[i] for i in rows],
-        "mv": [batch.moving[i] for i in rows],
-        "lon": [batch.lon[i] for i in rows], "lat": [batch.lat[i] for i in rows],
-        "ts": [batch.ts[i] for i in rows], "kw": [batch.keywords[i] for i in rows],
-        "txt": [batch.text[i] for i in rows], "pr": [batch.props[i] for i in rows],
-        "prev": [prev[i] for i in rows], "late": [late[i] for i in rows],
-        "xo": [exit_only[i] for i in rows], "dx": [decide_exit[i] for i in rows],
-    })
+def pack_position(ts: float, lon: float, lat: float, keywords: list[str],
+                  props: dict[str, Any] | None) -> bytes:
+    packed: bytes = msgpack.packb([ts, lon, lat, keywords, props], use_bin_type=True)
+    return packed
 
 
-def encode_subs_added(subs: list[dict[str, Any]], version: int) -> bytes:
-    return pack({"t": "sub+", "subs": subs, "v": version})
+def unpack_position(raw: bytes) -> Position:
+    ts, lon, lat, keywords, props = msgpack.unpackb(raw, raw=False)
+    return ts, lon, lat, keywords, props
 
 
-def encode_subs_removed(ids: list[str]) -> bytes:
-    return pack({"t": "sub-", "ids": ids})
+# Transitional: names once lived here; callers are moving to app.pipeline.names.
+from app.pipeline.names import (  # noqa: E402, F401
+    DEAD_LETTER,
+    GROUP,
+    HISTORY_LAST_TTL_S,
+    NOTIFY_CHANNEL,
+    PLAN_CHANNEL,
+    PLAN_KEY,
+    REVOKED_CHANNEL,
+    SUBS_CHANNEL,
+    WORKERS_KEY,
+    done_key,
+    history_key,
+    history_last_key,
+    positions_key,
+    records_key,
+    worker_stream,
+)

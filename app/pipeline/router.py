@@ -10,7 +10,6 @@ import zlib
 from pathlib import Path
 from typing import Any
 
-import msgpack
 import numpy as np
 import orjson
 import redis.asyncio as aioredis
@@ -20,8 +19,8 @@ from app.geo.grid import Grid
 from app.geo.history import history_plan, sample_cells
 from app.geo.index import GlobalIndex, Plan, initial_plan
 from app.models import Subscription
-from app.pipeline import records as R
-from app.pipeline.control import PART_SEQ
+from app.pipeline import names, records, wire
+from app.pipeline.cluster import ALLOCATE_IDS_SCRIPT, live_workers, load_plan, part_seq_floor
 
 log = logging.getLogger(__name__)
 
@@ -52,17 +51,13 @@ return out
 """
 
 
-def subscription_message(row: Subscription) -> dict[str, Any]:
-    return {"id": row.id, "tenant": row.tenant, "spec": row.spec, "expires_at": row.expires_at}
+def subscription_message(row: Subscription) -> wire.SubscriptionCopy:
+    return wire.SubscriptionCopy(id=row.id, tenant=row.tenant, spec=row.spec,
+                                 expires_at=row.expires_at)
 
 
 def grid_of(settings: Settings) -> Grid:
     return Grid(bounds=settings.bounds, nx=settings.grid[0], ny=settings.grid[1])
-
-
-async def load_plan(redis: aioredis.Redis) -> Plan | None:
-    raw = await redis.get(R.PLAN_KEY)
-    return None if raw is None else Plan.from_json(raw)
 
 
 def targets_for_spec(index: GlobalIndex, spec: dict[str, Any],
@@ -137,34 +132,29 @@ class Router:
                          len(plan.partitions))
 
     async def live_workers(self, now: float) -> list[str]:
-        raw = await self.redis.hgetall(R.WORKERS_KEY)
-        live = []
-        for wid, info in raw.items():
-            beat = orjson.loads(info).get("heartbeat", 0)
-            if now - beat <= self.settings.worker_dead_after_s:
-                live.append(wid.decode() if isinstance(wid, bytes) else wid)
-        return sorted(live)
+        raw = await self.redis.hgetall(names.WORKERS_KEY)
+        return live_workers(raw.items(), now, self.settings.worker_dead_after_s)
 
     # --- objects -------------------------------------------------------------------------
-    async def publish(self, batch: R.RecordBatch) -> None:
+    async def publish(self, batch: records.RecordBatch) -> None:
         index = await self.current_index()
         n = batch.size
-        rids = R.new_record_ids(n)
+        rids = records.new_record_ids(n)
         prev: list[tuple[float, float] | None] = [None] * n
         late = [False] * n
         moving_rows = [i for i in range(n) if batch.moving[i]]
         if moving_rows:
             args: list[Any] = []
             for i in moving_rows:
-                packed = msgpack.packb([batch.ts[i], batch.lon[i], batch.lat[i],
-                                        batch.keywords[i], batch.props[i]], use_bin_type=True)
+                packed = records.pack_position(batch.ts[i], batch.lon[i], batch.lat[i],
+                                               batch.keywords[i], batch.props[i])
                 args += [batch.ids[i], repr(batch.ts[i]), packed]
-            reply = await self._lww(keys=[R.positions_key(batch.tenant)], args=args)
+            reply = await self._lww(keys=[names.positions_key(batch.tenant)], args=args)
             for j, i in enumerate(moving_rows):
                 is_latest, old = reply[2 * j], reply[2 * j + 1]
                 if old:
-                    o = msgpack.unpackb(old)
-                    prev[i] = (o[1], o[2])
+                    _ts, plon, plat, _kws, _props = records.unpack_position(old)
+                    prev[i] = (plon, plat)
                 late[i] = not is_latest
         rows_by_worker: dict[int, list[int]] = {}
         exit_only = [False] * n
@@ -185,20 +175,22 @@ class Router:
         sent_at = time.time()
         pipe = self.redis.pipeline(transaction=True)
         for w, rows in rows_by_worker.items():
-            pipe.xadd(R.worker_stream(index.workers[w]), {b"m": R.encode_objects(
-                batch, rows, rids, prev, late, exit_only, decide_exit, sent_at, index.version)})
+            entry = records.object_batch(batch, rows, rids, prev, late, exit_only, decide_exit,
+                                         sent_at, index.version)
+            pipe.xadd(names.worker_stream(index.workers[w]), {b"m": wire.encode_entry(entry)})
         if extra:
             by_w: dict[int, list[int]] = {}
             for w, i in extra:
                 by_w.setdefault(w, []).append(i)
             xo_true = [True] * n
             for w, rows in by_w.items():
-                pipe.xadd(R.worker_stream(index.workers[w]), {b"m": R.encode_objects(
-                    batch, rows, rids, prev, late, xo_true, xo_true, sent_at, index.version)})
+                entry = records.object_batch(batch, rows, rids, prev, late, xo_true, xo_true,
+                                             sent_at, index.version)
+                pipe.xadd(names.worker_stream(index.workers[w]), {b"m": wire.encode_entry(entry)})
         await pipe.execute()
 
     @staticmethod
-    def _route_by_partition(index: GlobalIndex, batch: R.RecordBatch,
+    def _route_by_partition(index: GlobalIndex, batch: records.RecordBatch,
                             prev: list[tuple[float, float] | None], late: list[bool],
                             moving_rows: list[int], rows_by_worker: dict[int, list[int]],
                             decide_exit: list[bool], extra: list[tuple[int, int]]) -> None:
@@ -224,46 +216,39 @@ class Router:
                         decide_exit[i] = True
 
     async def latest(self, tenant: str, object_id: str) -> dict[str, Any] | None:
-        raw = await self.redis.hget(R.positions_key(tenant), object_id)
+        raw = await self.redis.hget(names.positions_key(tenant), object_id)
         if raw is None:
             return None
-        ts, lon, lat, kws, props = msgpack.unpackb(raw)
-        return {"id": object_id, "lon": lon, "lat": lat, "ts": ts, "keywords": kws,
+        packed = raw if isinstance(raw, bytes) else raw.encode()
+        ts, lon, lat, kws, props = records.unpack_position(packed)
+        # GET /v1/objects/{id} always carries `props` (null when none was given)
+        return {**records.public_record(object_id, lon, lat, ts, kws, None, props),
                 "props": props}
 
     # --- subscriptions -------------------------------------------------------------------
     async def add_subscriptions(self, rows: list[Subscription]) -> None:
         index = await self.current_index()
-        per_worker: dict[str, list[dict[str, Any]]] = {}
+        per_worker: dict[str, list[wire.SubscriptionCopy]] = {}
         for row in rows:
             for w in targets_for_spec(index, row.spec, replicated=self.replicated):
                 per_worker.setdefault(w, []).append(subscription_message(row))
         pipe = self.redis.pipeline(transaction=True)
         for w, subs in per_worker.items():
-            pipe.xadd(R.worker_stream(w), {b"m": R.encode_subs_added(subs, index.version)})
+            pipe.xadd(names.worker_stream(w), {b"m": wire.encode_entry(
+                wire.SubsAdded(subs=subs, plan_version=index.version))})
         await pipe.execute()
 
     async def remove_subscriptions(self, rows: list[Subscription],
                                    reason: str = "deleted") -> None:
         index = await self.current_index()
-        msg = R.encode_subs_removed([r.id for r in rows])
+        msg = wire.encode_entry(wire.SubsRemoved(ids=[r.id for r in rows]))
         pipe = self.redis.pipeline(transaction=True)
         for w in index.workers:
-            pipe.xadd(R.worker_stream(w), {b"m": msg})
+            pipe.xadd(names.worker_stream(w), {b"m": msg})
         await pipe.execute()
-        await self.redis.publish(R.SUBS_CHANNEL, orjson.dumps({reason: [r.id for r in rows]}))
-
-
-# PART_SEQ := max(PART_SEQ, ARGV[1]): new partition ids never reuse one of the plan's.
-PART_SEQ_FLOOR_SCRIPT = """
-local cur = tonumber(redis.call('GET', KEYS[1]) or '-1')
-local floor = tonumber(ARGV[1])
-if cur < floor then
-  redis.call('SET', KEYS[1], floor)
-  return floor
-end
-return cur
-"""
+        ids = [r.id for r in rows]
+        gone = wire.SubsGone(expired=ids) if reason == "expired" else wire.SubsGone(deleted=ids)
+        await self.redis.publish(names.SUBS_CHANNEL, wire.encode_json(gone))
 
 
 def read_history_sample(path: Path, grid: Grid) -> tuple[Any, Any, Any]:
@@ -291,12 +276,6 @@ def make_plan(settings: Settings, workers: list[str], version: int) -> Plan:
     return initial_plan(grid, workers, version=version)
 
 
-def part_seq_floor(plan: Plan) -> int:
-    """The least PART_SEQ for a plan: INCRBY then hands out ids above every id it uses."""
-    nums = [int(p.id[1:]) for p in plan.partitions if p.id[:1] == "p" and p.id[1:].isdigit()]
-    return max([len(plan.partitions), *(n + 1 for n in nums)])
-
-
 async def ensure_plan(redis: aioredis.Redis, settings: Settings, workers: list[str]) -> Plan:
     """Create the first plan (see `make_plan`) unless one for the same worker set exists, and
     make sure the partition id counter is past the plan's ids."""
@@ -304,7 +283,7 @@ async def ensure_plan(redis: aioredis.Redis, settings: Settings, workers: list[s
     if plan is None or sorted(GlobalIndex(plan).workers) != sorted(workers):
         version = 1 if plan is None else plan.version + 1
         plan = make_plan(settings, workers, version)
-        await redis.set(R.PLAN_KEY, plan.to_json())
-        await redis.publish(R.PLAN_CHANNEL, str(plan.version))
-    await redis.eval(PART_SEQ_FLOOR_SCRIPT, 1, PART_SEQ, part_seq_floor(plan))
+        await redis.set(names.PLAN_KEY, plan.to_json())
+        await redis.publish(names.PLAN_CHANNEL, str(plan.version))
+    await redis.eval(ALLOCATE_IDS_SCRIPT, 1, names.PART_SEQ, part_seq_floor(plan), 0)
     return plan

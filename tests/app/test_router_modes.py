@@ -16,7 +16,8 @@ from app.core.redis import EmbeddedRedis
 from app.geo.grid import Grid
 from app.geo.index import GlobalIndex, initial_plan
 from app.pipeline import records as R
-from app.pipeline.control import PART_SEQ, partition_ids
+from app.pipeline.cluster import partition_ids
+from app.pipeline.names import PART_SEQ
 from app.pipeline.router import (
     ensure_plan,
     make_plan,
@@ -115,7 +116,7 @@ def test_ensure_plan_sets_the_partition_counter(embedded_redis: EmbeddedRedis,
             assert int(await r.get(PART_SEQ)) == 4
             # The next ids the coordinator hands out (INCRBY) are new ones.
             last = await r.incrby(PART_SEQ, 2)
-            assert partition_ids(last - 1, 2) == ["p5", "p6"]
+            assert partition_ids(last, 2) == ["p5", "p6"]
             # A counter already past the floor is left alone; the plan is kept.
             again = await ensure_plan(r, settings, WORKERS)
             assert again.version == 1 and int(await r.get(PART_SEQ)) == 6

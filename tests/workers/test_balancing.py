@@ -13,13 +13,14 @@ import time
 from typing import Any
 
 import httpx
+import msgspec
 import orjson
 import pytest
 import redis
 
 from app.geo.index import Plan, initial_plan
-from app.pipeline import control as C
-from app.pipeline import records as R
+from app.pipeline import names
+from app.pipeline.cluster import partition_ids
 from tests.conftest import LiveServer, start_server
 from tests.workers.harness import Listener, wait_for
 from tests.workers.oracle import Oracle, received_matches
@@ -43,7 +44,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, redis_url: str):  # type: 
 
 
 def plan_of(server: LiveServer) -> Plan:
-    raw = redis.Redis.from_url(server.redis_url).get(R.PLAN_KEY)
+    raw = redis.Redis.from_url(server.redis_url).get(names.PLAN_KEY)
     assert raw is not None
     return Plan.from_json(raw)
 
@@ -64,11 +65,11 @@ def command(server: LiveServer, worker: str, msg: dict[str, Any], timeout: float
     client = redis.Redis.from_url(server.redis_url)
     plan = plan_of(server)
     token = secrets.token_hex(8)
-    first = int(client.incrby(C.PART_SEQ, 8)) - 7
+    first = int(client.incrby(names.PART_SEQ, 8)) - 7
     body = {"version": plan.version, "deadline": deadline or time.time() + timeout,
-            "reply": token, "ids": C.partition_ids(first + 100, 8), **msg}
-    client.xadd(C.command_stream(worker), {b"m": R.pack(body)})
-    got = client.blpop([C.reply_key(token)], timeout=timeout)
+            "reply": token, "ids": partition_ids(first + 107, 8), **msg}
+    client.xadd(names.command_stream(worker), {b"m": msgspec.msgpack.encode(body)})
+    got = client.blpop([names.reply_key(token)], timeout=timeout)
     return None if got is None else orjson.loads(got[1])
 
 
@@ -135,7 +136,7 @@ async def _moves_during_burst(server: LiveServer, seed: int) -> None:
     plan = plan_of(server)
     plan.validate()
     assert any(p.parent for p in plan.partitions) or plan.version > versions[0]
-    history = redis.Redis.from_url(server.redis_url).lrange(C.PLAN_HISTORY, 0, -1)
+    history = redis.Redis.from_url(server.redis_url).lrange(names.PLAN_HISTORY, 0, -1)
     assert [orjson.loads(h)["version"] for h in history][-1] == plan.version
 
 
@@ -145,7 +146,7 @@ def test_exact_delivery_while_partitions_move_split_and_merge(cluster: LiveServe
 
 def forwarded(server: LiveServer, worker: str) -> int:
     """Records the worker forwarded to a partition's new owner (from its heartbeat)."""
-    raw = redis.Redis.from_url(server.redis_url).hget(R.WORKERS_KEY, worker)
+    raw = redis.Redis.from_url(server.redis_url).hget(names.WORKERS_KEY, worker)
     return int(orjson.loads(raw or b"{}").get("forwarded", 0))
 
 
@@ -215,14 +216,14 @@ def test_paused_worker_around_a_move(cluster: LiveServer) -> None:
 def test_round_reports_statistics(cluster: LiveServer) -> None:
     """A round command folds the statistics; the report's per-partition counts add up."""
     client = redis.Redis.from_url(cluster.redis_url)
-    n = int(client.incr(C.ROUND_SEQ)) + 1000
+    n = int(client.incr(names.ROUND_SEQ)) + 1000
     plan = plan_of(cluster)
     for w in ("w0", "w1", "w2"):  # a worker may own no partition after the tests above
-        client.xadd(C.command_stream(w), {b"m": R.pack({"t": "round", "n": n})})
+        client.xadd(names.command_stream(w), {b"m": msgspec.msgpack.encode({"t": "round", "n": n})})
     deadline = time.monotonic() + 20
-    while client.hlen(C.report_key(n)) < 3 and time.monotonic() < deadline:
+    while client.hlen(names.report_key(n)) < 3 and time.monotonic() < deadline:
         time.sleep(0.05)
-    reports = {k.decode(): orjson.loads(v) for k, v in client.hgetall(C.report_key(n)).items()}
+    reports = {k.decode(): orjson.loads(v) for k, v in client.hgetall(names.report_key(n)).items()}
     assert set(reports) == {"w0", "w1", "w2"}
     owned = {p.id for p in plan.partitions}
     for w, rep in reports.items():

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import orjson
 import pytest
 import redis
@@ -29,8 +30,7 @@ from app.geo.balance import DecisionPointer
 from app.geo.grid import Grid
 from app.geo.index import Plan, initial_plan
 from app.models import BalancerRound
-from app.pipeline import control as C
-from app.pipeline import records as R
+from app.pipeline import names
 from bench.cluster import ROOT, own_database
 
 pytestmark = pytest.mark.slow
@@ -49,11 +49,11 @@ def answer_none(_w: FakeWorker, _msg: dict[str, Any]) -> dict[str, Any]:
 
 
 def set_plan(r: Any, plan: Plan) -> None:
-    r.set(R.PLAN_KEY, plan.to_json())
+    r.set(names.PLAN_KEY, plan.to_json())
 
 
 def get_plan(r: Any) -> Plan:
-    raw = r.get(R.PLAN_KEY)
+    raw = r.get(names.PLAN_KEY)
     assert raw is not None
     return Plan.from_json(raw)
 
@@ -89,15 +89,15 @@ class FakeWorker(threading.Thread):
         self.answer = answer
         self.commands: list[dict[str, Any]] = []
         self.halt = threading.Event()
-        self.stream = C.command_stream(wid)
+        self.stream = names.command_stream(wid)
         try:
-            self.redis.xgroup_create(self.stream, C.GROUP, id="0", mkstream=True)
+            self.redis.xgroup_create(self.stream, names.GROUP, id="0", mkstream=True)
         except redis.ResponseError as exc:
             assert "BUSYGROUP" in str(exc)
         self.beat()
 
     def beat(self) -> None:
-        self.redis.hset(R.WORKERS_KEY, self.id,
+        self.redis.hset(names.WORKERS_KEY, self.id,
                         orjson.dumps({"id": self.id, "pid": 0, "heartbeat": time.time()}))
 
     def received(self, kind: str) -> list[dict[str, Any]]:
@@ -109,12 +109,12 @@ class FakeWorker(threading.Thread):
             if time.monotonic() - last > 0.2:
                 self.beat()
                 last = time.monotonic()
-            reply = self.redis.xreadgroup(C.GROUP, self.id, {self.stream: ">"}, count=10,
+            reply = self.redis.xreadgroup(names.GROUP, self.id, {self.stream: ">"}, count=10,
                                           block=50)
             for _stream, entries in reply or []:
                 for eid, entry in entries:
-                    self.handle(R.unpack(entry[b"m"]))
-                    self.redis.xack(self.stream, C.GROUP, eid)
+                    self.handle(msgspec.msgpack.decode(entry[b"m"]))
+                    self.redis.xack(self.stream, names.GROUP, eid)
 
     def handle(self, msg: dict[str, Any]) -> None:
         self.commands.append(msg)
@@ -122,13 +122,13 @@ class FakeWorker(threading.Thread):
             numbers = self.report(msg["n"])
             if numbers is not None:
                 num, r = numbers
-                self.redis.hset(C.report_key(msg["n"]), self.id, orjson.dumps({
+                self.redis.hset(names.report_key(msg["n"]), self.id, orjson.dumps({
                     "worker": self.id, "round": msg["n"], "at": time.time(), "num": num,
                     "R": r, "partitions": []}))
             return
         reply = self.answer(self, msg)
         if reply is not None:
-            self.redis.rpush(C.reply_key(msg["reply"]), orjson.dumps({**reply,
+            self.redis.rpush(names.reply_key(msg["reply"]), orjson.dumps({**reply,
                                                                       "worker": self.id}))
 
 
@@ -183,23 +183,23 @@ class World:
 
     def request(self, body: dict[str, Any], timeout: float = 10) -> dict[str, Any]:
         token = os.urandom(8).hex()
-        self.redis.rpush(C.REQUESTS_KEY, orjson.dumps({"id": token, **body}))
-        got = self.redis.blpop([C.reply_key(token)], timeout=timeout)
+        self.redis.rpush(names.REQUESTS_KEY, orjson.dumps({"id": token, **body}))
+        got = self.redis.blpop([names.reply_key(token)], timeout=timeout)
         assert got is not None, f"no reply to {body}\n" + self.logs()
         reply: dict[str, Any] = orjson.loads(got[1])
         return reply
 
     def config(self, **cfg: Any) -> None:
-        self.redis.set(C.BALANCER_CONFIG, orjson.dumps(cfg))
+        self.redis.set(names.BALANCER_CONFIG, orjson.dumps(cfg))
 
     def state(self) -> dict[str, Any]:
-        raw = self.redis.get(C.BALANCER_STATE)
+        raw = self.redis.get(names.BALANCER_STATE)
         assert raw is not None
         state: dict[str, Any] = orjson.loads(raw)
         return state
 
     def leader(self) -> str | None:
-        raw = self.redis.get(C.LEASE_KEY)
+        raw = self.redis.get(names.LEASE_KEY)
         return None if raw is None else raw.decode()
 
 
@@ -303,7 +303,7 @@ def test_round_collects_reports_and_records_it(world_factory: Callable[..., Worl
     assert (second.decision, second.stage) == ("nothing", "START")  # R(S) not above preR(S)
     assert second.started_at - first.started_at == pytest.approx(0.3, abs=0.2)
     # the config was seeded from the settings; the state lets a standby continue
-    assert orjson.loads(world.redis.get(C.BALANCER_CONFIG) or b"") == {
+    assert orjson.loads(world.redis.get(names.BALANCER_CONFIG) or b"") == {
         "enabled": True, "period_s": 0.3, "beta": 20}
     state = world.state()
     pointer = DecisionPointer(beta=20)
@@ -313,7 +313,7 @@ def test_round_collects_reports_and_records_it(world_factory: Callable[..., Worl
     assert state["stage"] == pointer.stage.name and state["leader"] == world.leader()
     assert state["costs"] == {"w0": 9.0, "w1": 3.0, "w2": 0.0} and state["r_s"] == 10
     assert state["last_decision"] == "nothing"
-    assert 3500 < world.redis.ttl(C.report_key(1)) <= 3600
+    assert 3500 < world.redis.ttl(names.report_key(1)) <= 3600
     assert all(not w.received("reduce") for w in world.workers.values())
 
 
@@ -499,7 +499,7 @@ def test_other_modes_report_but_never_rebalance(world_factory: Callable[..., Wor
     world.coordinator()
     reply = world.request({"kind": "round"})  # runs even though balancing is off by default
     assert reply["status"] == 202 and reply["round"] == 1
-    assert orjson.loads(world.redis.get(C.BALANCER_CONFIG) or b"")["enabled"] is False
+    assert orjson.loads(world.redis.get(names.BALANCER_CONFIG) or b"")["enabled"] is False
     reply = world.request({"kind": "move", "partition": "p0", "to": "w1"})
     assert reply["status"] == 409 and "replicated" in reply["error"]
     world.config(enabled=True, period_s=0.3, beta=1)  # picked up live
@@ -543,7 +543,7 @@ def test_lease_failover_and_release(any_world_factory: Callable[..., World]) -> 
     assert [r.started_at for r in rows] == sorted(r.started_at for r in rows)
 
     # someone else takes the lease: the leader stops acting at once, resumes when it lapses
-    world.redis.set(C.LEASE_KEY, "intruder", px=1500)
+    world.redis.set(names.LEASE_KEY, "intruder", px=1500)
     stolen_at = time.time()
     rows = world.wait_rounds(lambda rows: any(r.started_at > stolen_at for r in rows),
                              timeout=6)
@@ -551,7 +551,7 @@ def test_lease_failover_and_release(any_world_factory: Callable[..., World]) -> 
     assert resumed > stolen_at + 1.4, "a round ran while another process held the lease"
     assert world.leader() == second
     # the lease lapses (this process was not scheduled for a TTL): taken again, as a new term
-    world.redis.delete(C.LEASE_KEY)
+    world.redis.delete(names.LEASE_KEY)
     deadline = time.monotonic() + 1.0
     while world.leader() != second:
         assert time.monotonic() < deadline, "the lapsed lease was not taken again"

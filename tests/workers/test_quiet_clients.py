@@ -19,7 +19,7 @@ import orjson
 import pytest
 import redis
 
-from app.pipeline import records as R
+from app.pipeline import names, wire
 from tests.conftest import LiveServer, auth, start_server
 from tests.workers.harness import Listener, replay_all, wait_for
 from tests.workers.oracle import Oracle, received_matches
@@ -116,7 +116,7 @@ def test_resume_by_cursor_after_a_quiet_pause(quick_server: LiveServer) -> None:
         await asyncio.sleep(3)
         _, cursor = await resume(cursor, 2.0)
         # a subscription quiet for longer than its history's lifetime: the stream is gone
-        assert client.delete(R.history_key(sid)) == 1
+        assert client.delete(names.history_key(sid)) == 1
         await resume(cursor, 3.0)
 
     asyncio.run(run())
@@ -178,7 +178,7 @@ def test_resume_beyond_retention_gets_gap_and_goes_on(tmp_path: Path,
         for i in range(1, 260):  # one history entry each; the oldest are trimmed (MAXLEN ~)
             _publish(s, key, [{"lon": 30.5, "lat": 30.5, "ts": float(i)}])
         client = redis.Redis.from_url(s.redis_url)
-        assert wait_until(lambda: client.xlen(R.history_key(sid)) < 259
+        assert wait_until(lambda: client.xlen(names.history_key(sid)) < 259
                           and _last_ts(client, sid) == 259.0, 30)
         retained = _replay(s, key, sid)
         assert [m["type"] for m in retained] == ["match"] * len(retained)
@@ -370,13 +370,13 @@ def wait_until(predicate: Any, timeout: float) -> bool:
 
 def _last_ts(client: redis.Redis, sid: str) -> float | None:
     """The ts of the newest match written to the subscription's history."""
-    last = client.xrevrange(R.history_key(sid), count=1)
+    last = client.xrevrange(names.history_key(sid), count=1)
     if not last:
         return None
     fields = last[0][1]
-    rids, _ = R.unpack(fields[b"m"])
+    rids = wire.decode_refs(fields[b"m"]).record_ids
     tenant = fields[b"t"].decode()
-    rec = client.hget(R.records_key(tenant, int(fields[b"b"])), rids[-1])
+    rec = client.hget(names.records_key(tenant, int(fields[b"b"])), rids[-1])
     return float(orjson.loads(rec)["ts"]) if rec else None
 
 

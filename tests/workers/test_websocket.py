@@ -13,7 +13,7 @@ import pytest
 import redis
 import websockets
 
-from app.pipeline import records as R
+from app.pipeline import names
 from tests.conftest import LiveServer, auth, start_server
 from tests.workers.harness import Listener, wait_for
 from tests.workers.rawws import RawWebSocket
@@ -121,8 +121,8 @@ def test_slow_client_is_closed_1013_and_resumes(tmp_path: Path, embedded_redis: 
 
 def test_poison_entry_goes_to_dead_letter(server: LiveServer, tenant_key: str) -> None:
     client = redis.Redis.from_url(server.redis_url)
-    before = client.xlen(R.DEAD_LETTER)
-    client.xadd(R.worker_stream("w0"), {b"m": b"\xc1 not msgpack"})
+    before = client.xlen(names.DEAD_LETTER)
+    client.xadd(names.worker_stream("w0"), {b"m": b"\xc1 not msgpack"})
     sid = httpx.post(server.base_url + "/v1/subscriptions", headers=auth(tenant_key),
                      json={"type": "keyword", "keywords": ["after"]}).json()["id"]
 
@@ -138,4 +138,4 @@ def test_poison_entry_goes_to_dead_letter(server: LiveServer, tenant_key: str) -
         return len(listener.matches())
 
     assert asyncio.run(run()) == 2  # the shard was not blocked
-    assert client.xlen(R.DEAD_LETTER) == before + 1
+    assert client.xlen(names.DEAD_LETTER) == before + 1

@@ -1,0 +1,94 @@
+"""Every Redis key, stream, channel and consumer-group name geoswarm uses, defined once.
+
+Everything geoswarm writes to Redis starts with "gs:". The messages on these streams and
+channels are the typed classes of `app.pipeline.wire`.
+"""
+
+from __future__ import annotations
+
+GROUP = "exec"  # the consumer group of every worker stream and command stream
+
+# The partition plan (SWARM §4.1): the current one, its versions (SSTD's versioned mapping,
+# SWARM §5.2's partition chains) and the channel announcing a new version.
+PLAN_KEY = "gs:plan"
+PLAN_CHANNEL = "gs:plan:changed"
+PLAN_HISTORY = "gs:plan:history"  # list of JSON {"version", "valid_from", "plan"}
+PLAN_HISTORY_MAX = 1000
+PART_SEQ = "gs:partition:seq"  # counter for new partition ids "p<n>"
+
+WORKERS_KEY = "gs:workers"  # hash worker id -> JSON heartbeat {pid, host, heartbeat, ...}
+DEAD_LETTER = "gs:dead"  # stream of entries delivered too often
+DEAD_LETTER_COUNT = "gs:metrics:dead_letter"
+
+# Channels to the api processes' hubs.
+NOTIFY_CHANNEL = "gs:notify"  # wire.HistoryAppended / wire.SubsChanged from the workers
+REVOKED_CHANNEL = "gs:revoked"  # wire.KeyRevoked
+SUBS_CHANNEL = "gs:subs"  # wire.SubsGone: deleted / expired subscriptions
+
+# SWARM's coordinator (§4.3.1).
+LEASE_KEY = "gs:coord:lease"  # the leader coordinator's id, with an expiry
+REQUESTS_KEY = "gs:coord:requests"  # list: admin requests for the coordinator (JSON)
+BALANCER_CONFIG = "gs:balancer:config"  # JSON {"enabled", "period_s", "beta"}
+BALANCER_STATE = "gs:balancer:state"  # JSON: decision pointer, last round, costs
+STATS_KEY = "gs:stats"  # hash worker -> its latest load report (JSON)
+ROUND_SEQ = "gs:balancer:round"  # counter of rounds (automatic and manual)
+
+EXPIRY_LOCK = "gs:lock:expiry"  # one api process at a time expires subscriptions
+POSITIONS_PREFIX = "gs:pos:"
+
+# How long a subscription's last history id outlives its (expiring) history stream.
+HISTORY_LAST_TTL_S = 30 * 24 * 3600
+
+
+def worker_stream(worker: str) -> str:
+    """The stream a worker consumes: wire.WorkerEntry messages in field `m`."""
+    return f"gs:w:{worker}"
+
+
+def command_stream(worker: str) -> str:
+    """The stream of the coordinator's wire.Command messages to one worker."""
+    return f"gs:cmd:{worker}"
+
+
+def history_key(sub_id: str) -> str:
+    """A subscription's history of matches (entries of record references, or kNN lists)."""
+    return f"gs:h:{sub_id}"
+
+
+def history_last_key(sub_id: str) -> str:
+    """The id of the last history entry ever written for a subscription. It outlives the
+    history stream (which expires when quiet) so that a resume can tell a quiet subscription
+    from one whose unread entries were trimmed."""
+    return f"gs:hl:{sub_id}"
+
+
+def positions_key(tenant: str) -> str:
+    """Hash: moving object id -> its latest record (last writer wins, CheetahGIS)."""
+    return f"{POSITIONS_PREFIX}{tenant}"
+
+
+def records_key(tenant: str, bucket: int) -> str:
+    """Hash: record id -> the public JSON of a matched record, stored once per record."""
+    return f"gs:rec:{tenant}:{bucket}"
+
+
+def done_key(worker: str, entry_id: str) -> str:
+    """Marks a worker stream entry whose matches are written (replays skip it)."""
+    return f"gs:done:{worker}:{entry_id}"
+
+
+def knn_key(sub_id: str) -> str:
+    """Hash: worker -> its local top k of a kNN subscription, and the merged list."""
+    return f"gs:knn:{sub_id}"
+
+
+def report_key(round_no: int) -> str:
+    return f"gs:report:{round_no}"
+
+
+def reply_key(token: str) -> str:
+    return f"gs:reply:{token}"
+
+
+def rate_key(key_id: str, window: int) -> str:
+    return f"gs:rl:{key_id}:{window}"

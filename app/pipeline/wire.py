@@ -1,0 +1,283 @@
+"""The messages between geoswarm's processes: one typed class per message, one encoder and one
+decoder per stream or channel (msgpack through msgspec, which decodes and validates in one
+step). Field names say what they are; the short keys on the wire stay short through renaming.
+
+- a worker's stream (`names.worker_stream`): `WorkerEntry` = ObjectBatch | SubsAdded |
+  SubsRemoved | Handoff, in field `m`;
+- a worker's command stream (`names.command_stream`): `Command` = RoundCommand |
+  ReduceCommand | MoveCommand | SplitCommand | MergeCommand (SWARM §4.3, §5);
+- `names.NOTIFY_CHANNEL`: `Notification` = HistoryAppended | SubsChanged (workers -> hubs);
+- `names.REVOKED_CHANNEL`: KeyRevoked; `names.SUBS_CHANNEL`: SubsGone (api -> hubs);
+- a subscription's history stream: `MatchRefs` in field `m` of each entry.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+
+# --- a worker's stream ----------------------------------------------------------------------
+
+Point = tuple[float, float]
+
+
+class SubscriptionCopy(msgspec.Struct, frozen=True):
+    """A subscription as the workers hold it (the spec is API-validated JSON)."""
+
+    id: str
+    tenant: str
+    spec: dict[str, Any]
+    expires_at: float | None = None
+
+
+class ObjectBatch(msgspec.Struct, tag="obj", tag_field="t", rename={
+        "tenant": "tn", "sent_at": "at", "plan_version": "v", "ids": "id",
+        "record_ids": "rid", "moving": "mv", "keywords": "kw", "text": "txt", "props": "pr",
+        "exit_only": "xo", "decide_exit": "dx"}):
+    """Records one worker must evaluate, column by column, with each record's previous position
+    (moving objects: for enter/exit) and whether this worker only decides its `exit`.
+    `plan_version` is the plan the router used: a worker whose plan is newer re-routes the
+    entry (SWARM §5.1)."""
+
+    tenant: str
+    sent_at: float
+    plan_version: int
+    ids: list[str]
+    record_ids: list[str]
+    moving: list[bool]
+    lon: list[float]
+    lat: list[float]
+    ts: list[float]
+    keywords: list[list[str]]
+    text: list[str | None]
+    props: list[dict[str, Any] | None]
+    prev: list[Point | None]
+    late: list[bool]  # older than the object's latest record: no position change
+    exit_only: list[bool]
+    decide_exit: list[bool]
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def take(self, rows: list[int]) -> ObjectBatch:
+        """The batch of the given rows, in that order."""
+        cols = {name: [getattr(self, name)[i] for i in rows] for name in COLUMNS}
+        return ObjectBatch(tenant=self.tenant, sent_at=self.sent_at,
+                           plan_version=self.plan_version, **cols)
+
+    @staticmethod
+    def concat(batches: list[ObjectBatch]) -> ObjectBatch:
+        """One batch of several of one tenant (matched together); `sent_at` of the first."""
+        if len(batches) == 1:
+            return batches[0]
+        first = batches[0]
+        cols = {name: [v for b in batches for v in getattr(b, name)] for name in COLUMNS}
+        return ObjectBatch(tenant=first.tenant, sent_at=first.sent_at,
+                           plan_version=first.plan_version, **cols)
+
+
+COLUMNS = ("ids", "record_ids", "moving", "lon", "lat", "ts", "keywords", "text", "props",
+           "prev", "late", "exit_only", "decide_exit")
+
+
+class SubsAdded(msgspec.Struct, tag="sub+", tag_field="t", rename={"plan_version": "v"}):
+    subs: list[SubscriptionCopy]
+    plan_version: int = 0
+
+
+class SubsRemoved(msgspec.Struct, tag="sub-", tag_field="t"):
+    ids: list[str]
+
+
+# A window piece as a handoff carries it (workers.ledger): bucket, age in rounds, cells x,
+# cells y, objects per cell.
+WindowCounts = tuple[int, int, list[int], list[int], list[int]]
+# A moving object a handoff carries: id, lon, lat, keywords, ts.
+MovingObject = tuple[str, float, float, list[str], float]
+
+
+class Handoff(msgspec.Struct, tag="handoff", tag_field="t", rename={
+        "plan_version": "v", "sender": "from", "partitions": "parts", "window": "win",
+        "moving": "mv"}):
+    """mH -> mL with a move (SWARM §5.1): the partitions' subscriptions, the window's counts,
+    the moving objects whose latest position lies in them, and the statistics of the
+    partitions moved whole."""
+
+    plan_version: int
+    sender: str
+    partitions: list[str]
+    subs: list[SubscriptionCopy]
+    window: list[WindowCounts]
+    moving: dict[str, list[MovingObject]]
+    stats: dict[str, Any] = {}
+
+
+WorkerEntry = ObjectBatch | SubsAdded | SubsRemoved | Handoff
+
+_entry_encoder = msgspec.msgpack.Encoder()
+_entry_decoder = msgspec.msgpack.Decoder(WorkerEntry)
+
+
+def encode_entry(msg: WorkerEntry) -> bytes:
+    return _entry_encoder.encode(msg)
+
+
+def decode_entry(data: bytes) -> WorkerEntry:
+    """Raises msgspec.DecodeError (a ValueError) on anything that is not a valid entry."""
+    entry: WorkerEntry = _entry_decoder.decode(data)
+    return entry
+
+
+# --- a worker's command stream (SWARM §4.3.1, §5) -------------------------------------------
+
+class CommandBase(msgspec.Struct, tag_field="t", kw_only=True):
+    """`plan_version` is the plan the sender saw and `deadline` (unix time) when it stops
+    waiting: a worker refuses a command whose version is no longer current or whose deadline
+    has passed, so a worker paused through a round never executes a stale decision. The reply
+    (JSON) goes to the list `names.reply_key(reply)`."""
+
+    plan_version: int | None = msgspec.field(default=None, name="version")
+    deadline: float | None = None
+    reply: str | None = None
+
+
+class RoundCommand(CommandBase, tag="round", kw_only=True):
+    """Fold the statistics (Algorithm 2) and write a load report for round `round`."""
+
+    round: int = msgspec.field(name="n")
+
+
+class ReduceCommand(CommandBase, tag="reduce", kw_only=True):
+    """mH's side of §4.3.2 with mL = `to`: subset-sum of whole partitions, else a split."""
+
+    round: int = msgspec.field(name="n")
+    to: str
+    cost_ml: float = msgspec.field(name="c_ml")
+    r_s: float
+    ids: list[str]  # new partition ids the change may use
+
+
+class MoveCommand(CommandBase, tag="move", kw_only=True):
+    partitions: list[str]
+    to: str
+    ids: list[str]
+
+
+class SplitCommand(CommandBase, tag="split", kw_only=True):
+    """Split `partition` at cell `at` along `axis`; `moved` (low | high) goes to `to`, or
+    both halves stay (None)."""
+
+    partition: str
+    axis: Literal["x", "y"]
+    at: int
+    moved: Literal["low", "high"] | None = None
+    to: str
+    ids: list[str]
+
+
+class MergeCommand(CommandBase, tag="merge", kw_only=True):
+    """Merge this worker's adjacent partitions that form rectangles."""
+
+    ids: list[str]
+
+
+Command = RoundCommand | ReduceCommand | MoveCommand | SplitCommand | MergeCommand
+
+_command_decoder = msgspec.msgpack.Decoder(Command)
+
+
+def encode_command(cmd: Command) -> bytes:
+    return _entry_encoder.encode(cmd)
+
+
+def decode_command(data: bytes) -> Command:
+    cmd: Command = _command_decoder.decode(data)
+    return cmd
+
+
+# --- workers -> hubs -----------------------------------------------------------------------
+
+# A history entry appended for a subscription: (subscription id, id of the entry before it,
+# the new entry's id, its packed MatchRefs).
+AppendedEntry = tuple[str, str, str, bytes]
+
+
+class HistoryAppended(msgspec.Struct, tag="h", tag_field="t", rename={
+        "tenant": "tn", "bucket": "b", "entries": "e", "records": "r"}):
+    """New history entries with the records they reference, so that a hub can push them to
+    caught-up clients without reading the history streams."""
+
+    tenant: str
+    bucket: int
+    entries: list[AppendedEntry]
+    records: dict[str, bytes]
+
+
+class SubsChanged(msgspec.Struct, tag="s", tag_field="t", rename={
+        "tenant": "tn", "subs": "s"}):
+    """Subscriptions whose history changed (kNN lists): listeners read them."""
+
+    tenant: str
+    subs: list[str]
+
+
+Notification = HistoryAppended | SubsChanged
+
+_notification_decoder = msgspec.msgpack.Decoder(Notification)
+
+
+def encode_notification(msg: Notification) -> bytes:
+    return _entry_encoder.encode(msg)
+
+
+def decode_notification(data: bytes) -> Notification:
+    note: Notification = _notification_decoder.decode(data)
+    return note
+
+
+class MatchRefs(msgspec.Struct, array_like=True):
+    """One history entry of a subscription: the matched records (ids into the records hash of
+    the entry's bucket) and each one's detect code (0 inside, 1 enter, 2 exit)."""
+
+    record_ids: list[str]
+    detect: bytes
+
+
+_refs_decoder = msgspec.msgpack.Decoder(MatchRefs)
+
+
+def encode_refs(refs: MatchRefs) -> bytes:
+    return _entry_encoder.encode(refs)
+
+
+def decode_refs(data: bytes) -> MatchRefs:
+    return _refs_decoder.decode(data)
+
+
+# --- api -> hubs ---------------------------------------------------------------------------
+
+class KeyRevoked(msgspec.Struct):
+    key: str
+
+
+class SubsGone(msgspec.Struct, omit_defaults=True):
+    deleted: list[str] = []
+    expired: list[str] = []
+
+
+_json_encoder = msgspec.json.Encoder()
+_revoked_decoder = msgspec.json.Decoder(KeyRevoked)
+_gone_decoder = msgspec.json.Decoder(SubsGone)
+
+
+def encode_json(msg: KeyRevoked | SubsGone) -> bytes:
+    return _json_encoder.encode(msg)
+
+
+def decode_revoked(data: bytes) -> KeyRevoked:
+    return _revoked_decoder.decode(data)
+
+
+def decode_gone(data: bytes) -> SubsGone:
+    return _gone_decoder.decode(data)
