@@ -6,18 +6,22 @@ import asyncio
 import contextlib
 import logging
 import math
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
 import redis.exceptions
 from fastapi import FastAPI, Request
+from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from prometheus_client import Counter
 from sqlalchemy.exc import DBAPIError, OperationalError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from app.api.openapi import TENANT, errors, install_openapi
 from app.api.routes import admin, dashboard, health, keys, objects, stream, subscriptions
 from app.core.config import Settings, get_settings
 from app.core.db import make_engine, make_sessionmaker
@@ -28,7 +32,25 @@ from app.pipeline.expiry import expiry_loop
 from app.pipeline.hub import Hub
 from app.pipeline.router import Router
 
+try:
+    from fastapi.routing import iter_route_contexts
+except ImportError:  # FastAPI before included routers were kept whole: app.routes is flat
+    def iter_route_contexts(routes: Sequence[Any]) -> Iterator[Any]:  # type: ignore[misc]
+        return iter(routes)
+
 log = logging.getLogger(__name__)
+
+OPENAPI_DESCRIPTION = """\
+The HTTP API of geoswarm; matches are received on the WebSocket `/v1/stream`, which is not
+described here.
+
+Rules the schemas below cannot state:
+- a `bbox` is `[min_lon, min_lat, max_lon, max_lat]` with min ≤ max;
+- an integer is a JSON integer: `5.0` is refused where an integer is expected;
+- cursors are opaque: only a cursor this server issued is accepted;
+- `props` is at most 4 KiB encoded;
+- every error answers `{"detail": ...}`: a message, or for a 422 the list of findings.
+"""
 
 HTTP_ERRORS = Counter("geoswarm_http_errors_total", "HTTP error responses", ["status"])
 
@@ -121,10 +143,43 @@ def _json_safe(value: Any, depth: int = 0) -> Any:
     return _json_safe(str(value), depth + 1)
 
 
+_REPLAY_ERRORS = errors(404, 422, *TENANT, descriptions={
+    404: "No subscription with this id in the tenant."})
+
+
+def allowed_methods(app: FastAPI, path: str) -> list[str]:
+    """Every method the routes of `path` serve. The router's 405 names only the methods of the
+    first route whose path matched (`Allow: GET` on a path that also has a DELETE route). As in
+    OpenAPI, a concrete path wins over a template that also matches it: /v1/subscriptions/batch
+    is POST only, not also the GET and DELETE of /v1/subscriptions/{sub_id}."""
+    concrete: set[str] = set()
+    templated: set[str] = set()
+    for route in iter_route_contexts(app.routes):
+        regex = getattr(route, "path_regex", None)
+        methods = getattr(route, "methods", None)
+        if regex is not None and methods and regex.match(path):
+            params = getattr(route, "param_convertors", None)
+            (templated if params else concrete).update(methods)
+    return sorted(concrete or templated)
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def api_error(_: Request, exc: ApiError) -> JSONResponse:
-        return _error(exc.status, exc.message, exc.headers)
+        headers = exc.headers
+        if exc.status in (429, 503) and "Retry-After" not in headers:
+            headers = {**headers, "Retry-After": "1"}  # API.md, Errors: always with Retry-After
+        return _error(exc.status, exc.message, headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        if exc.status_code == 405:
+            path = request.scope["path"].removeprefix(request.scope.get("root_path", ""))
+            methods = allowed_methods(request.app, path)
+            if methods:
+                exc = StarletteHTTPException(405, exc.detail,
+                                             {**(exc.headers or {}), "Allow": ", ".join(methods)})
+        return await http_exception_handler(request, exc)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -188,10 +243,14 @@ def create_app(settings: Settings | None = None, redis_url: str | None = None) -
         title="geoswarm",
         version="1",
         summary="Real-time location publish/subscribe with SWARM load balancing",
+        description=OPENAPI_DESCRIPTION,
         lifespan=lifespan,
     )
     install_error_handlers(app)
     for module in (health, keys, subscriptions, objects, stream, admin, dashboard):
-        app.include_router(module.router)
+        # stream.py's one HTTP route is the replay, GET /v1/subscriptions/{sub_id}/matches (the
+        # WebSocket is not in the OpenAPI document).
+        app.include_router(module.router, responses=_REPLAY_ERRORS if module is stream else None)
+    install_openapi(app)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     return app

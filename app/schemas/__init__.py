@@ -11,11 +11,15 @@ from pydantic import (
     ConfigDict,
     Discriminator,
     Field,
+    GetJsonSchemaHandler,
     StringConstraints,
     Tag,
+    WithJsonSchema,
     field_validator,
     model_validator,
 )
+from pydantic.json_schema import JsonSchemaValue
+from pydantic_core import CoreSchema
 
 from app.geo.tokenize import normalize_keywords
 
@@ -39,7 +43,9 @@ class ObjectIn(Strict):
     ts: Ts | None = None
     text: Annotated[str, StringConstraints(max_length=2000, strict=True)] | None = None
     keywords: Annotated[list[Keyword], Field(max_length=64)] | None = None
-    props: dict[str, Any] | None = None
+    props: Annotated[dict[str, Any] | None, Field(
+        description=f"Any JSON object of at most {MAX_PROPS_BYTES} bytes encoded, returned "
+        "as given.")] = None
     # Keywords are lower-cased and de-duplicated with the text's tokens in one pass when the
     # batch becomes records (routes/objects.py): a per-object validator here cost half of
     # the publish path's time.
@@ -58,7 +64,8 @@ class ObjectIn(Strict):
 
 
 class ObjectBatch(Strict):
-    objects: Annotated[list[ObjectIn], Field(min_length=1)]
+    objects: Annotated[list[ObjectIn], Field(
+        min_length=1, description="At most max_batch (default 10 000) objects; more is a 413.")]
 
 
 class ObjectsAccepted(BaseModel):
@@ -96,7 +103,26 @@ def _check_bbox(v: list[float] | None) -> list[float] | None:
     return v
 
 
-BBox = Annotated[list[float], Field(min_length=4, max_length=4)]
+# JSON Schema cannot say min ≤ max across items: the descriptions do, and the validators check.
+_LON_DOC = {"type": "number", "minimum": -180, "maximum": 180}
+_LAT_DOC = {"type": "number", "minimum": -90, "maximum": 90}
+BBox = Annotated[list[float], Field(
+    min_length=4, max_length=4,
+    description="[min_lon, min_lat, max_lon, max_lat] with min_lon ≤ max_lon and "
+    "min_lat ≤ max_lat; boundaries inclusive.",
+    json_schema_extra={"prefixItems": [_LON_DOC, _LAT_DOC, _LON_DOC, _LAT_DOC]})]
+Point = Annotated[list[Annotated[float, Field(strict=True)]], Field(
+    min_length=2, max_length=2, description="[lon, lat]",
+    json_schema_extra={"prefixItems": [_LON_DOC, _LAT_DOC]})]
+_DETECT_VALUES = ["inside", "enter", "exit"]
+# One value or a non-empty list of them (the validators below).
+DetectDoc = WithJsonSchema({
+    "anyOf": [{"type": "string", "enum": _DETECT_VALUES},
+              {"type": "array", "items": {"type": "string", "enum": _DETECT_VALUES},
+               "minItems": 1},
+              {"type": "null"}],
+    "description": "For moving objects: report records inside (default), entering or exiting.",
+})
 
 
 class _KeywordPredicate(Strict):
@@ -111,10 +137,38 @@ class _KeywordPredicate(Strict):
 
 
 class RangeSubscription(_KeywordPredicate):
+    """Objects inside a bounding box or a circle (exactly one of the two)."""
+
     type: Literal["range"]
     bbox: BBox | None = None
     circle: Circle | None = None
-    detect: list[Detect] | None = None
+    detect: Annotated[list[Detect] | None, DetectDoc] = None
+
+    @classmethod
+    def __get_pydantic_json_schema__(cls, core_schema: CoreSchema,
+                                     handler: GetJsonSchemaHandler) -> JsonSchemaValue:
+        """Documented as the two shapes it accepts (the model validator `_one_region`): a
+        schema of optional bbox and circle would admit neither and both."""
+        ref = handler(core_schema)
+        schema = handler.resolve_ref_schema(ref)
+        props = schema.pop("properties")
+        for key in ("required", "type", "additionalProperties"):
+            schema.pop(key, None)
+
+        def shape(title: str, region: str, other: str) -> dict[str, Any]:
+            given = next(s for s in props[region]["anyOf"] if s.get("type") != "null")
+            return {
+                "title": title,
+                "type": "object",
+                "properties": {**props, region: given,
+                               other: {"type": "null", "description": "Absent or null."}},
+                "required": ["type", region],
+                "additionalProperties": False,
+            }
+
+        schema["oneOf"] = [shape("RangeBBoxSubscription", "bbox", "circle"),
+                           shape("RangeCircleSubscription", "circle", "bbox")]
+        return ref
 
     @field_validator("bbox", mode="before")
     @classmethod
@@ -158,13 +212,17 @@ class RangeSubscription(_KeywordPredicate):
 
 
 class KeywordSubscription(_KeywordPredicate):
+    """Objects sharing any (or all) of the keywords, anywhere."""
+
     type: Literal["keyword"]
     keywords: SubKeywords
 
 
 class KnnSubscription(_KeywordPredicate):
+    """The k objects nearest to a point."""
+
     type: Literal["knn"]
-    point: Annotated[list[Annotated[float, Field(strict=True)]], Field(min_length=2, max_length=2)]
+    point: Point
     k: Annotated[int, Field(ge=1, le=1000, strict=True)]
 
     @field_validator("point")
@@ -188,10 +246,21 @@ class SubscriptionBatch(Strict):
 
 
 class SubscriptionOut(BaseModel):
+    """A stored subscription: its id, the fields given (keywords lower-cased, `match` filled in,
+    `detect` as a list), created_at and expires_at (null without ttl_s)."""
+
     model_config = ConfigDict(extra="allow")
 
     id: str
-    type: str
+    type: Literal["range", "keyword", "knn"]
+    bbox: list[float] | None = None
+    circle: Circle | None = None
+    point: list[float] | None = None
+    k: int | None = None
+    keywords: list[str] | None = None
+    match: Literal["any", "all"] | None = None
+    detect: list[Detect] | None = None
+    ttl_s: float | None = None
     created_at: float
     expires_at: float | None
 
@@ -203,6 +272,36 @@ class SubscriptionIds(BaseModel):
 class SubscriptionPage(BaseModel):
     items: list[SubscriptionOut]
     next_cursor: str | None
+
+
+# --- errors and health --------------------------------------------------------------------
+
+class Error(BaseModel):
+    """The body of every error but 422 (app/main.py's exception handlers)."""
+
+    detail: str
+
+
+class ValidationIssue(BaseModel):
+    """One finding of validation: the field (`loc`, e.g. ["body", "objects", 3, "lat"]), the
+    kind (`type`), a message, and the input found there."""
+
+    type: str
+    loc: list[str | int]
+    msg: str
+    input: Any = None
+    ctx: dict[str, Any] | None = None
+
+
+class ValidationErrorBody(BaseModel):
+    """The body of a 422 (FastAPI's shape): every finding, each naming its field."""
+
+    detail: list[ValidationIssue]
+
+
+class Readiness(BaseModel):
+    ready: bool
+    checks: dict[str, str]
 
 
 # --- keys ---------------------------------------------------------------------------------
@@ -229,8 +328,22 @@ class KeyCreated(BaseModel):
 PeriodS = Annotated[float, Field(ge=0.1, le=3600.0, allow_inf_nan=False, strict=True)]
 
 
+def _absent_not_null(schema: dict[str, Any]) -> None:
+    """Documents optional fields that refuse null: without the null branch and the null
+    default that `X | None = None` puts in the JSON schema."""
+    for prop in schema.get("properties", {}).values():
+        branches = [b for b in prop.pop("anyOf", []) if b.get("type") != "null"]
+        if len(branches) == 1:
+            prop.update(branches[0])
+        elif branches:
+            prop["anyOf"] = branches
+        prop.pop("default", None)
+
+
 class BalancerConfigIn(Strict):
     """PUT /v1/admin/balancer: any subset; an absent field keeps its value, null is refused."""
+
+    model_config = ConfigDict(json_schema_extra=_absent_not_null)
 
     enabled: Annotated[bool, Field(strict=True)] | None = None
     period_s: PeriodS | None = None

@@ -20,6 +20,7 @@ from sqlalchemy import select
 from starlette.concurrency import run_in_threadpool
 
 from app.api.deps import AdminDep, StateDep, StrictJSONRoute
+from app.api.openapi import ADMIN, BODY, errors
 from app.core.errors import ApiError, Conflict, NotFound, Unavailable
 from app.core.state import AppState, require_plan
 from app.geo.index import GlobalIndex, Partition
@@ -62,7 +63,7 @@ def _decode(value: bytes | str | None) -> str | None:
     return value.decode("utf-8", "replace") if isinstance(value, bytes) else value
 
 
-@router.get("/cluster")
+@router.get("/cluster", responses=errors(*ADMIN))
 async def cluster(state: StateDep, _admin: AdminDep) -> dict[str, Any]:
     """Plan version, partitioning mode and every worker with its partitions, cost and backlog."""
     assert state.router is not None
@@ -140,7 +141,7 @@ def _feature(index: GlobalIndex, p: Partition, stats: dict[str, Any] | None,
     }
 
 
-@router.get("/partitions")
+@router.get("/partitions", responses=errors(*ADMIN))
 async def partitions(state: StateDep, _admin: AdminDep) -> dict[str, Any]:
     """The partitions of the current plan as a GeoJSON FeatureCollection, with their last
     reported statistics and cost C(p) = Num(p) / R(S)."""
@@ -213,13 +214,13 @@ async def _balancer(state: AppState) -> dict[str, Any]:
     }
 
 
-@router.get("/balancer")
+@router.get("/balancer", responses=errors(*ADMIN))
 async def get_balancer(state: StateDep, _admin: AdminDep) -> dict[str, Any]:
     """The balancer's configuration, decision pointer, leader and its last rounds."""
     return await _balancer(state)
 
 
-@router.put("/balancer")
+@router.put("/balancer", responses=errors(*BODY, *ADMIN))
 async def put_balancer(body: BalancerConfigIn, state: StateDep, _admin: AdminDep
                        ) -> dict[str, Any]:
     """Change any of enabled, period_s and beta; the coordinator picks them up next round."""
@@ -302,9 +303,12 @@ def _reply_response(reply: dict[str, Any]) -> JSONResponse:
 
 @router.post("/rebalance", status_code=202, responses={
     202: {"description": "the coordinator ran the round, move or split"},
-    404: {"description": "unknown partition or worker"},
-    409: {"description": "the partition is already there, or the plan changed meanwhile"},
-    503: {"description": "no coordinator is running, or it did not answer in time"},
+    **errors(*BODY, *ADMIN, 404, 409, descriptions={
+        404: "unknown partition or worker",
+        409: "the partition is already there, or the plan changed meanwhile",
+        422: "not a round, move or split, or a split outside the partition",
+        503: "no coordinator is running, or it did not answer in time",
+    }),
 })
 async def rebalance(body: Annotated[RebalanceIn, Body(openapi_examples={
     "round": {"summary": "a balancing round now", "value": {}},

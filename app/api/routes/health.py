@@ -11,6 +11,8 @@ from sqlalchemy import text
 from starlette.concurrency import run_in_threadpool
 
 from app.api.deps import StateDep
+from app.api.openapi import RETRY_AFTER
+from app.schemas import Readiness
 
 router = APIRouter(tags=["health"])
 
@@ -21,7 +23,11 @@ async def healthz() -> dict[str, str]:
     return {"status": "ok"}
 
 
-@router.get("/readyz")
+@router.get("/readyz", response_model=None, responses={
+    200: {"model": Readiness, "description": "Ready: every check is ok."},
+    503: {"model": Readiness, "description": "Not ready: the checks say what is missing.",
+          "headers": {"Retry-After": RETRY_AFTER}},
+})
 async def readyz(state: StateDep) -> Response:
     """Redis, the database and at least one live worker are reachable."""
     checks: dict[str, str] = {}
@@ -51,7 +57,10 @@ async def readyz(state: StateDep) -> Response:
                         headers=None if ready else {"Retry-After": "1"})
 
 
-@router.get("/metrics")
+@router.get("/metrics", response_class=Response, responses={
+    200: {"description": "Prometheus text exposition.",
+          "content": {"text/plain": {"schema": {"type": "string"}}}},
+})
 async def metrics() -> Response:
     """Prometheus text exposition."""
     return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)

@@ -6,6 +6,7 @@ from fastapi import APIRouter, Response
 from starlette.concurrency import run_in_threadpool
 
 from app.api.deps import AdminDep, StateDep, StrictJSONRoute
+from app.api.openapi import ADMIN, BODY, errors
 from app.core.db import session_scope
 from app.core.errors import NotFound
 from app.schemas import KeyCreate, KeyCreated
@@ -14,7 +15,7 @@ from app.services import keys as key_service
 router = APIRouter(prefix="/v1/admin/keys", tags=["admin"], route_class=StrictJSONRoute)
 
 
-@router.post("", status_code=201, response_model=KeyCreated)
+@router.post("", status_code=201, response_model=KeyCreated, responses=errors(*BODY, *ADMIN))
 async def create_key(body: KeyCreate, state: StateDep, _admin: AdminDep) -> KeyCreated:
     """Create an API key; the key is shown only once."""
 
@@ -26,7 +27,8 @@ async def create_key(body: KeyCreate, state: StateDep, _admin: AdminDep) -> KeyC
     return await run_in_threadpool(work)
 
 
-@router.delete("/{key_id}", status_code=204)
+@router.delete("/{key_id}", status_code=204, responses=errors(404, *ADMIN, descriptions={
+    404: "No API key with this id."}))
 async def revoke_key(key_id: str, state: StateDep, _admin: AdminDep) -> Response:
     """Revoke a key: it stops working at once, also for open WebSockets."""
 

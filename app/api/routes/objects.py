@@ -11,6 +11,7 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import TypeAdapter, ValidationError
 
 from app.api.deps import StateDep, StrictJSONRoute, TenantDep
+from app.api.openapi import BODY, REF_PREFIX, TENANT, errors
 from app.core.errors import BadRequest, NotFound, PayloadTooLarge
 from app.core.metrics import OBJECTS_ACCEPTED, PUBLISH_SECONDS
 from app.core.state import require_plan
@@ -22,13 +23,21 @@ router = APIRouter(prefix="/v1/objects", tags=["objects"], route_class=StrictJSO
 
 _objects = TypeAdapter(list[ObjectIn])
 
+# The route reads the body itself (JSON or NDJSON), so it is declared here; app/api/openapi.py
+# adds the schemas referred to. NDJSON is described as the OpenAPI registry describes
+# sequential JSON: the whole stream as if it were an array, one item per line.
 _BODY_DOC = {
     "requestBody": {
         "required": True,
         "content": {
-            "application/json": {"schema": {"$ref": "#/components/schemas/ObjectBatch"}},
-            "application/x-ndjson": {
-                "schema": {"type": "string", "description": "one OBJECT per line"}},
+            "application/json": {"schema": {"$ref": REF_PREFIX + "ObjectBatch"}},
+            "application/x-ndjson": {"schema": {
+                "type": "array",
+                "items": {"$ref": REF_PREFIX + "ObjectIn"},
+                "minItems": 1,
+                "description": "One OBJECT per line (blank lines are skipped); at most "
+                               "max_batch (default 10 000) lines, more is a 413.",
+            }},
         },
     }
 }
@@ -117,7 +126,11 @@ def to_records(objs: list[ObjectIn], tenant: str, now: float) -> RecordBatch:
     )
 
 
-@router.post("", status_code=202, response_model=ObjectsAccepted, openapi_extra=_BODY_DOC)
+@router.post("", status_code=202, response_model=ObjectsAccepted, openapi_extra=_BODY_DOC,
+             responses=errors(*BODY, *TENANT, descriptions={
+                 413: "Body over max_body_bytes, or more than max_batch objects.",
+                 503: "Redis or the database unavailable, or no partition plan yet (no "
+                      "worker has started)."}))
 async def publish(request: Request, state: StateDep, principal: TenantDep) -> ObjectsAccepted:
     """Publish a batch of objects; 202 once the whole batch is durably queued."""
     started = time.perf_counter()
@@ -132,7 +145,8 @@ async def publish(request: Request, state: StateDep, principal: TenantDep) -> Ob
     return ObjectsAccepted(accepted=batch.size, ids=batch.ids)
 
 
-@router.get("/{object_id}", response_model=ObjectOut)
+@router.get("/{object_id}", response_model=ObjectOut, responses=errors(404, *TENANT, descriptions={
+    404: "No moving object with this id in the tenant."}))
 async def get_object(object_id: str, state: StateDep, principal: TenantDep) -> ObjectOut:
     """The latest record of a moving object."""
     rec = None if state.router is None else await state.router.latest(principal.tenant, object_id)

@@ -8,15 +8,28 @@ from fastapi import APIRouter, Body, Query, Response
 from starlette.concurrency import run_in_threadpool
 
 from app.api.deps import StateDep, StrictJSONRoute, TenantDep
+from app.api.openapi import BODY, TENANT, errors
 from app.core.errors import NotFound, PayloadTooLarge
-from app.schemas import SubscriptionBatch, SubscriptionIds, SubscriptionIn, subscription_spec
+from app.schemas import (
+    SubscriptionBatch,
+    SubscriptionIds,
+    SubscriptionIn,
+    SubscriptionOut,
+    SubscriptionPage,
+    subscription_spec,
+)
 from app.services import subscriptions as sub_service
 from app.services.pipeline_sql import apply_with_pipeline
 
 router = APIRouter(prefix="/v1/subscriptions", tags=["subscriptions"], route_class=StrictJSONRoute)
 
+NOT_FOUND = {404: "No subscription with this id in the tenant."}
+# The routes return the stored dicts as they are; the models only document them.
+STORED = {"model": SubscriptionOut, "description": "The stored subscription."}
 
-@router.post("", status_code=201)
+
+@router.post("", status_code=201, response_model=None,
+             responses={201: STORED, **errors(*BODY, *TENANT)})
 async def create_subscription(
     body: Annotated[SubscriptionIn, Body()], state: StateDep, principal: TenantDep
 ) -> dict[str, Any]:
@@ -29,7 +42,9 @@ async def create_subscription(
     return sub_service.to_public(rows[0])
 
 
-@router.post("/batch", status_code=201, response_model=SubscriptionIds)
+@router.post("/batch", status_code=201, response_model=SubscriptionIds,
+             responses=errors(*BODY, *TENANT, descriptions={
+                 413: "Body over max_body_bytes, or more than max_batch subscriptions."}))
 async def create_subscriptions(
     body: SubscriptionBatch, state: StateDep, principal: TenantDep
 ) -> SubscriptionIds:
@@ -45,7 +60,10 @@ async def create_subscriptions(
     return SubscriptionIds(ids=[r.id for r in rows])
 
 
-@router.get("")
+@router.get("", response_model=None, responses={
+    200: {"model": SubscriptionPage, "description": "One page, oldest first; next_cursor is "
+          "null on the last."},
+    **errors(422, *TENANT)})
 async def list_subscriptions(
     state: StateDep,
     principal: TenantDep,
@@ -72,7 +90,8 @@ async def list_subscriptions(
     return await run_in_threadpool(work)
 
 
-@router.get("/{sub_id}")
+@router.get("/{sub_id}", response_model=None,
+            responses={200: STORED, **errors(404, *TENANT, descriptions=NOT_FOUND)})
 async def get_subscription(sub_id: str, state: StateDep, principal: TenantDep) -> dict[str, Any]:
     """One subscription of this tenant."""
 
@@ -87,7 +106,8 @@ async def get_subscription(sub_id: str, state: StateDep, principal: TenantDep) -
     return out
 
 
-@router.delete("/{sub_id}", status_code=204)
+@router.delete("/{sub_id}", status_code=204,
+               responses=errors(404, *TENANT, descriptions=NOT_FOUND))
 async def delete_subscription(sub_id: str, state: StateDep, principal: TenantDep) -> Response:
     """Delete a subscription; nothing is delivered for objects accepted after the 204."""
 
