@@ -25,8 +25,8 @@ from app.core.errors import ApiError, Conflict, NotFound, Unavailable
 from app.core.state import AppState, require_plan
 from app.geo.index import GlobalIndex, Partition
 from app.models import BalancerRound
-from app.pipeline import control as C
-from app.pipeline import records as R
+from app.pipeline import names
+from app.pipeline.cluster import heartbeat_fresh
 from app.schemas import (
     BalancerConfigIn,
     RebalanceIn,
@@ -69,23 +69,23 @@ async def cluster(state: StateDep, _admin: AdminDep) -> dict[str, Any]:
     assert state.router is not None
     await state.router.refresh()
     index = state.router.index
-    raw = await state.redis.hgetall(R.WORKERS_KEY)
-    costs = _json_object(await state.redis.get(C.BALANCER_STATE)).get("costs")
+    raw = await state.redis.hgetall(names.WORKERS_KEY)
+    costs = _json_object(await state.redis.get(names.BALANCER_STATE)).get("costs")
     costs = costs if isinstance(costs, dict) else {}
     now = time.time()
     infos = {k.decode(): orjson.loads(v) for k, v in raw.items()}
-    names = sorted(set(infos) | set(index.workers if index else []))
+    worker_ids = sorted(set(infos) | set(index.workers if index else []))
     pipe = state.redis.pipeline(transaction=False)
-    for w in names:
-        pipe.xlen(R.worker_stream(w))
+    for w in worker_ids:
+        pipe.xlen(names.worker_stream(w))
     lengths = await pipe.execute()
     workers = []
-    for w, length in zip(names, lengths, strict=True):
+    for w, length in zip(worker_ids, lengths, strict=True):
         info = infos.get(w, {})
         parts = [p.id for p in index.partitions if p.worker == w] if index else []
         workers.append({
             "id": w, "pid": info.get("pid"), "host": info.get("host"),
-            "alive": now - info.get("heartbeat", 0) <= state.settings.worker_dead_after_s,
+            "alive": heartbeat_fresh(info, now, state.settings.worker_dead_after_s),
             "partitions": parts, "cost": _number(costs.get(w)),
             "received": info.get("received", 0), "backlog": length,
             "subscriptions": info.get("subscriptions", 0),
@@ -99,7 +99,7 @@ async def cluster(state: StateDep, _admin: AdminDep) -> dict[str, Any]:
 async def _reports(state: AppState) -> tuple[int | None, float, dict[str, dict[str, Any]]]:
     """The latest round among the workers' latest reports, R(S) over that round's reports, and
     each partition's statistics from the newest report that has it."""
-    raw = await state.redis.hgetall(C.STATS_KEY)
+    raw = await state.redis.hgetall(names.STATS_KEY)
     reports = []
     for value in raw.values():
         report = _json_object(value)
@@ -185,9 +185,9 @@ def _round_row(row: BalancerRound) -> dict[str, Any]:
 
 async def _balancer(state: AppState) -> dict[str, Any]:
     pipe = state.redis.pipeline(transaction=False)
-    pipe.get(C.BALANCER_CONFIG)
-    pipe.get(C.BALANCER_STATE)
-    pipe.get(C.LEASE_KEY)
+    pipe.get(names.BALANCER_CONFIG)
+    pipe.get(names.BALANCER_STATE)
+    pipe.get(names.LEASE_KEY)
     raw_config, raw_state, leader = await pipe.execute()
     balancer = _json_object(raw_state)
     pointer = balancer.get("pointer")
@@ -228,11 +228,11 @@ async def put_balancer(body: BalancerConfigIn, state: StateDep, _admin: AdminDep
     async with state.redis.pipeline(transaction=True) as pipe:
         while True:  # optimistic: a concurrent PUT is merged, not overwritten
             try:
-                await pipe.watch(C.BALANCER_CONFIG)
-                config = _config(state, _json_object(await pipe.get(C.BALANCER_CONFIG)))
+                await pipe.watch(names.BALANCER_CONFIG)
+                config = _config(state, _json_object(await pipe.get(names.BALANCER_CONFIG)))
                 config.update(changes)
                 pipe.multi()
-                pipe.set(C.BALANCER_CONFIG, orjson.dumps(config))
+                pipe.set(names.BALANCER_CONFIG, orjson.dumps(config))
                 await pipe.execute()
                 break
             except WatchError:
@@ -318,7 +318,7 @@ async def rebalance(body: Annotated[RebalanceIn, Body(openapi_examples={
     """Run one balancing round now, move one partition or split one, through the coordinator."""
     token = secrets.token_hex(16)
     request = await _request(state, body, token)
-    if await state.redis.get(C.LEASE_KEY) is None:
+    if await state.redis.get(names.LEASE_KEY) is None:
         raise Unavailable("no coordinator is running (nobody holds the balancer lease); "
                           "start one and retry", headers={"Retry-After": "5"})
     payload = orjson.dumps(request)
@@ -328,10 +328,10 @@ async def rebalance(body: Annotated[RebalanceIn, Body(openapi_examples={
     conn = aioredis.Redis.from_url(state.redis_url, socket_connect_timeout=2,
                                    socket_timeout=timeout + 10, single_connection_client=True)
     try:
-        await conn.rpush(C.REQUESTS_KEY, payload)
-        answer = await conn.blpop([C.reply_key(token)], timeout=timeout)
+        await conn.rpush(names.REQUESTS_KEY, payload)
+        answer = await conn.blpop([names.reply_key(token)], timeout=timeout)
         if answer is None:
-            withdrawn = await conn.lrem(C.REQUESTS_KEY, 1, payload)
+            withdrawn = await conn.lrem(names.REQUESTS_KEY, 1, payload)
             log.warning("rebalance request %s: no answer within %.1f s (%s)", token, timeout,
                         "withdrawn" if withdrawn else "taken by the coordinator")
             raise Unavailable(
