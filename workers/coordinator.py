@@ -342,7 +342,7 @@ class Coordinator:
         return self.wait_reply(token, cfg.reply_timeout_s)
 
     def collect_reports(self, n: int, live: list[str], timeout: float
-                        ) -> dict[str, dict[str, Any]]:
+                        ) -> dict[str, wire.LoadReport]:
         key = names.report_key(n)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and not self.stop.is_set():
@@ -354,12 +354,11 @@ class Coordinator:
             time.sleep(REPORT_POLL_S)
         raw = self.redis.hgetall(key)
         self.redis.expire(key, REPORT_TTL_S)
-        reports: dict[str, dict[str, Any]] = {}
+        reports: dict[str, wire.LoadReport] = {}
         for k, v in raw.items():
-            rep = _loads(v)
+            rep = wire.decode_report(v)
             wid = k.decode()
-            if (wid in live and isinstance(rep, dict) and _number(rep.get("num")) is not None
-                    and _number(rep.get("R")) is not None):
+            if wid in live and rep is not None and math.isfinite(rep.num + rep.r_m):
                 reports[wid] = rep
         return reports
 
@@ -398,16 +397,16 @@ class Coordinator:
                  rec.mh, rec.ml, rec.plan_version, rec.duration_ms)
         return rec
 
-    def decide(self, rec: RoundRecord, reports: dict[str, dict[str, Any]],
+    def decide(self, rec: RoundRecord, reports: dict[str, wire.LoadReport],
                cfg: BalancerConfig) -> None:
         """R(S) (Eqn 4), C(m) = Num(C(m)) / R(S) (Eqn 7), the pointer's step and its action."""
-        r_s = sum(float(rep["R"]) for rep in reports.values())
-        costs = {w: float(rep["num"]) / r_s if r_s > 0 else 0.0
+        r_s = sum(rep.r_m for rep in reports.values())
+        costs = {w: rep.num / r_s if r_s > 0 else 0.0
                  for w, rep in sorted(reports.items())}
         decision = self.pointer.step(r_s)
         rec.r_s, rec.costs = r_s, dict(costs)
         rec.decision, rec.stage = decision.value, self.pointer.stage.name
-        rec.details["received"] = {w: reports[w]["R"] for w in costs}
+        rec.details["received"] = {w: reports[w].r_m for w in costs}
         if self.pointer.forced:
             rec.details["forced"] = True
         self.state.update(r_s=r_s, costs=costs, reports_at=time.time())

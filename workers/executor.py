@@ -540,22 +540,19 @@ class Executor:
     def _report(self, round_no: int) -> None:
         """End of round: fold (Algorithm 2) and report Num(C(m)), R(m) and per-partition
         N, Q, R for the coordinator and the admin API."""
-        parts: list[dict[str, Any]] = []
-        num, received = 0.0, 0
+        parts: list[wire.PartitionLoad] = []
+        num, r_m = 0.0, 0.0
         for stats in sorted(self.ledger.fold(), key=lambda st: st.partition.id):
-            pid = stats.partition.id
             n, q, r = stats.totals()
             c = balance.cost_numerator(n, q, r)
-            parts.append({"id": pid, "N": n, "Q": q, "R": r, "num": c})
+            parts.append(wire.PartitionLoad(id=stats.partition.id, N=n, Q=q, R=r, num=c))
             num += c
-            received += r
+            r_m += r
         if self.replicated:
-            received = self.round_received
-        report = orjson.dumps({
-            "worker": self.id, "round": round_no, "at": time.time(), "plan_version": self.version,
-            "num": num, "R": received, "partitions": parts,
-            "received": self.round_received,
-        })
+            r_m = self.round_received
+        report = wire.encode_json(wire.LoadReport(
+            worker=self.id, round=round_no, at=time.time(), plan_version=self.version, num=num,
+            r_m=r_m, partitions=parts, received=self.round_received))
         self.round_received = 0
         pipe = self.redis.pipeline(transaction=False)
         pipe.hset(names.report_key(round_no), self.id, report)

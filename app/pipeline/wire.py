@@ -255,6 +255,45 @@ def decode_refs(data: bytes) -> MatchRefs:
     return _refs_decoder.decode(data)
 
 
+# --- workers -> coordinator and admin API (JSON) --------------------------------------------
+
+class PartitionLoad(msgspec.Struct):
+    """One partition's SWARM statistics at the end of a round (§4.2) and its cost numerator
+    N·Q·R (§3)."""
+
+    id: str
+    N: float
+    Q: float
+    R: float
+    num: float
+
+
+class LoadReport(msgspec.Struct):
+    """A worker's report of round `round` (JSON, in `names.report_key(round)` and
+    `names.STATS_KEY`): Num(C(m)) and R(m), SWARM §4.3.1; C(m) = num / R(S)."""
+
+    worker: str
+    round: int
+    at: float
+    num: float
+    r_m: float = msgspec.field(name="R")
+    plan_version: int | None = None
+    partitions: list[PartitionLoad] = []
+    received: int = 0  # objects and subscriptions this round (R of replicated mode)
+
+
+_report_decoder = msgspec.json.Decoder(LoadReport)
+
+
+def decode_report(data: bytes | str) -> LoadReport | None:
+    """A worker's report, or None when it is not one (a stale format, a foreign writer)."""
+    try:
+        report: LoadReport = _report_decoder.decode(data)
+    except msgspec.DecodeError:
+        return None
+    return report
+
+
 # --- api -> hubs ---------------------------------------------------------------------------
 
 class KeyRevoked(msgspec.Struct):
@@ -271,7 +310,7 @@ _revoked_decoder = msgspec.json.Decoder(KeyRevoked)
 _gone_decoder = msgspec.json.Decoder(SubsGone)
 
 
-def encode_json(msg: KeyRevoked | SubsGone) -> bytes:
+def encode_json(msg: KeyRevoked | SubsGone | LoadReport) -> bytes:
     return _json_encoder.encode(msg)
 
 

@@ -103,3 +103,14 @@ def test_take_and_concat_keep_rows_together() -> None:
     both = wire.ObjectBatch.concat([b, picked])
     assert len(both) == 5 and both.record_ids == ["r0", "r1", "r2", "r2", "r0"]
     assert wire.ObjectBatch.concat([b]) is b
+
+
+def test_load_reports_round_trip_and_refuse_foreign_json() -> None:
+    report = wire.LoadReport(worker="w0", round=3, at=1.0, num=12.0, r_m=30.0, plan_version=2,
+                             partitions=[wire.PartitionLoad("p0", 100.0, 4.0, 30.0, 12.0)])
+    raw = wire.encode_json(report)
+    assert msgspec.json.decode(raw)["R"] == 30.0
+    assert wire.decode_report(raw) == report
+    for bad in (b"{", b"[]", b'{"worker": "w0"}', b'{"worker": "w0", "round": "x", "at": 1,'
+                b' "num": 1, "R": 1}'):
+        assert wire.decode_report(bad) is None

@@ -10,6 +10,7 @@ import secrets
 import time
 from typing import Annotated, Any
 
+import msgspec
 import orjson
 import redis.asyncio as aioredis
 from fastapi import APIRouter, Body
@@ -25,7 +26,7 @@ from app.core.errors import ApiError, Conflict, NotFound, Unavailable
 from app.core.state import AppState, require_plan
 from app.geo.index import GlobalIndex, Partition
 from app.models import BalancerRound
-from app.pipeline import names
+from app.pipeline import names, wire
 from app.pipeline.cluster import heartbeat_fresh
 from app.schemas import (
     BalancerConfigIn,
@@ -100,22 +101,15 @@ async def _reports(state: AppState) -> tuple[int | None, float, dict[str, dict[s
     """The latest round among the workers' latest reports, R(S) over that round's reports, and
     each partition's statistics from the newest report that has it."""
     raw = await state.redis.hgetall(names.STATS_KEY)
-    reports = []
-    for value in raw.values():
-        report = _json_object(value)
-        n = report.get("round")
-        if isinstance(n, int) and not isinstance(n, bool):
-            reports.append(report)
+    reports = [r for r in (wire.decode_report(v) for v in raw.values()) if r is not None]
     if not reports:
         return None, 0.0, {}
-    current = max(r["round"] for r in reports)
-    r_s = sum(_number(r.get("R")) for r in reports if r["round"] == current)
+    current = max(r.round for r in reports)
+    r_s = sum(r.r_m for r in reports if r.round == current)
     stats: dict[str, dict[str, Any]] = {}
-    for report in sorted(reports, key=lambda r: r["round"]):  # newer reports overwrite
-        parts = report.get("partitions")
-        for p in parts if isinstance(parts, list) else []:
-            if isinstance(p, dict) and isinstance(p.get("id"), str):
-                stats[p["id"]] = p
+    for report in sorted(reports, key=lambda r: r.round):  # newer reports overwrite
+        for p in report.partitions:
+            stats[p.id] = msgspec.structs.asdict(p)
     return current, r_s, stats
 
 
