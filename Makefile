@@ -9,7 +9,7 @@ test:
 	bash scripts/test.sh
 
 test-fast:
-	bash scripts/test.sh -m "not slow and not spark"
+	bash scripts/test.sh -m "not slow"
 
 lint:
 	bash -c 'source scripts/bootstrap.sh && $$VENV/bin/ruff check . && $$VENV/bin/mypy app/geo workers spark'

@@ -1,20 +1,40 @@
 """Fixtures that start the real thing: redis-server (embedded, and the machine's Redis 7 when
-reachable), SQLite (and PostgreSQL when reachable), api and worker processes."""
+reachable), SQLite (and PostgreSQL when reachable), worker processes, and the api either
+in-process (`inprocess`: route-level tests) or as a uvicorn process (`server`: end-to-end)."""
 
 from __future__ import annotations
 
 import os
 import secrets
+import signal
 import socket
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 
+import anyio.from_thread
+import httpx
 import pytest
 import redis
+from fastapi import FastAPI
 
-from app.core.config import Settings
-from app.core.redis import EmbeddedRedis, start_embedded_redis
-from bench.cluster import BOOTSTRAP, ROOT, LiveServer, start_server  # noqa: F401 - re-exported
+from app.core.config import Settings, get_settings
+from app.core.migrate import upgrade_head
+from app.core.redis import EmbeddedRedis, async_client, start_embedded_redis
+from app.main import create_app
+from app.pipeline import names
+from app.pipeline.router import ensure_plan
+from bench.cluster import (  # noqa: F401 - re-exported
+    BOOTSTRAP,
+    ROOT,
+    LiveServer,
+    own_database,
+    start_server,
+)
 
 REDIS7_URL = os.environ.get("GEOSWARM_TEST_REDIS7_URL", "redis://127.0.0.1:6379/9")
 PG_URL = os.environ.get("GEOSWARM_TEST_PG_URL", "postgresql://postgres@127.0.0.1:5432/test")
@@ -105,6 +125,187 @@ def server(tmp_path_factory: pytest.TempPathFactory, embedded_redis: EmbeddedRed
     s = start_server(tmp_path_factory.mktemp("server"), embedded_redis.url)
     yield s
     s.stop()
+
+
+# --- the api in-process --------------------------------------------------------------------
+
+class PortalTransport(httpx.BaseTransport):
+    """httpx's ASGITransport for synchronous clients. Every request runs on the event loop of
+    `portal`, where the app's lifespan ran (its Redis client and hub live there), so any number
+    of clients and threads share one app as they would share one uvicorn."""
+
+    def __init__(self, app: FastAPI, portal: anyio.from_thread.BlockingPortal) -> None:
+        self._asgi = httpx.ASGITransport(app)
+        self._portal = portal
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        request.read()  # a streamed (chunked) body becomes bytes; its headers stay as sent
+        return self._portal.call(self._send, request)
+
+    async def _send(self, request: httpx.Request) -> httpx.Response:
+        response = await self._asgi.handle_async_request(request)
+        body = await response.aread()
+        return httpx.Response(response.status_code, headers=response.headers,
+                              stream=httpx.ByteStream(body), extensions=response.extensions)
+
+
+@dataclass
+class InProcessServer:
+    """create_app() with its lifespan, in this process, on the settings an api process would
+    read from `env`, against a real Redis and a real database: every route, dependency,
+    middleware and error handler as under uvicorn, without the sockets. Matching needs a
+    worker: `start_worker()` starts a real worker process on the same environment."""
+
+    app: FastAPI
+    portal: anyio.from_thread.BlockingPortal
+    settings: Settings
+    redis_url: str
+    env: dict[str, str]
+    log_dir: Path
+    admin_key: str = BOOTSTRAP
+    base_url: str = "http://testserver"
+    procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+
+    def http(self, headers: dict[str, str] | None = None) -> httpx.Client:
+        """A client of the app (close it, or use it in a `with`)."""
+        return httpx.Client(transport=PortalTransport(self.app, self.portal),
+                            base_url=self.base_url, headers=headers, timeout=30)
+
+    def admin(self) -> dict[str, str]:
+        return auth(self.admin_key)
+
+    def new_key(self, tenant: str | None = None, admin: bool = False) -> str:
+        tenant = tenant or "t" + secrets.token_hex(4)
+        with self.http(self.admin()) as c:
+            r = c.post("/v1/admin/keys", json={"tenant": tenant, "admin": admin})
+        r.raise_for_status()
+        return str(r.json()["key"])
+
+    def start_worker(self, wid: str = "w0", timeout: float = 60) -> None:
+        """Start worker `wid` unless it runs, and wait for its first heartbeat."""
+        proc = self.procs.get(wid)
+        if proc is not None and proc.poll() is None:
+            return
+        log_path = self.log_dir / f"{wid}.log"
+        with open(log_path, "ab") as log:  # the child keeps its own copy of the descriptor
+            proc = subprocess.Popen([sys.executable, "-m", "app.cli", "worker", "--id", wid],
+                                    env={**os.environ, **self.env}, stdout=log,
+                                    stderr=subprocess.STDOUT, cwd=ROOT)
+        self.procs[wid] = proc
+        client = redis.Redis.from_url(self.redis_url)
+        try:
+            deadline = time.monotonic() + timeout
+            while not client.hexists(names.WORKERS_KEY, wid):
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"worker {wid} did not start:\n{log_path.read_text()}")
+                time.sleep(0.05)
+        finally:
+            client.close()
+
+    def stop_workers(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in self.procs.values():
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+Server = LiveServer | InProcessServer
+
+
+def http_client(server: Server, headers: dict[str, str] | None = None) -> httpx.Client:
+    """A client of either kind of api: in-process, or over the network."""
+    if isinstance(server, InProcessServer):
+        return server.http(headers)
+    return httpx.Client(base_url=server.base_url, headers=headers, timeout=30)
+
+
+async def _seed_plan(settings: Settings, url: str) -> None:
+    client = async_client(url)
+    try:
+        await ensure_plan(client, settings, settings.workers)
+    finally:
+        await client.aclose()
+
+
+@contextmanager
+def start_inprocess(tmp: Path, redis_url: str, database_url: str | None = None,
+                    migrate: bool = True, plan: bool = True, redis_db: int | None = None,
+                    **env_overrides: str) -> Iterator[InProcessServer]:
+    """The in-process counterpart of start_server: the same environment (a Redis database of
+    its own, flushed: `redis_db` or one of own_database's; SQLite under `tmp` unless
+    `database_url`; one worker id, w0), the database migrated unless `migrate` is false, and,
+    unless `plan` is false, the first partition plan written as the worker would write it, so
+    that subscribing and publishing work before any worker runs."""
+    if redis_db is None:
+        redis_url = own_database(redis_url)
+    else:
+        base = redis_url.rsplit("/", 1)[0] if redis_url.count("/") > 2 else redis_url
+        redis_url = f"{base}/{redis_db}"
+    client = redis.Redis.from_url(redis_url)
+    client.flushdb()
+    client.close()
+    env = {
+        "GEOSWARM_REDIS_URL": redis_url,
+        "GEOSWARM_DATA_DIR": str(tmp),
+        "GEOSWARM_DATABASE_URL": database_url or f"sqlite:///{tmp / 'geoswarm.db'}",
+        "GEOSWARM_BOOTSTRAP_ADMIN_KEY": BOOTSTRAP,
+        "GEOSWARM_ENVIRONMENT": "test",
+        "GEOSWARM_WORKERS": "w0",
+        "GEOSWARM_BALANCE_PERIOD_S": "2",
+        **env_overrides,
+    }
+    # An api process reads its settings from the environment once (get_settings is cached):
+    # read them under this app's environment, and leave no cached copy for the next one.
+    with pytest.MonkeyPatch.context() as mp:
+        for name, value in env.items():
+            mp.setenv(name, value)
+        get_settings.cache_clear()
+        settings = get_settings()
+        app = create_app()
+    get_settings.cache_clear()
+    if migrate:
+        upgrade_head(settings)
+    with anyio.from_thread.start_blocking_portal() as portal:
+        if plan:
+            portal.call(_seed_plan, settings, redis_url)
+        with portal.wrap_async_context_manager(app.router.lifespan_context(app)):
+            server = InProcessServer(app=app, portal=portal, settings=settings,
+                                     redis_url=redis_url, env=env, log_dir=tmp)
+            try:
+                yield server
+            finally:
+                server.stop_workers()
+
+
+@pytest.fixture(scope="session")
+def inprocess(tmp_path_factory: pytest.TempPathFactory, embedded_redis: EmbeddedRedis
+              ) -> Iterator[InProcessServer]:
+    """The api in-process on the embedded Redis and a fresh SQLite, with the partition plan and
+    the bootstrap admin key, shared by every test that needs no settings of its own (each uses
+    its own tenant). Its Redis database is 0, which own_database never hands out, so that no
+    server started later flushes it."""
+    with start_inprocess(tmp_path_factory.mktemp("inprocess"), embedded_redis.url,
+                         redis_db=0) as s:
+        yield s
+
+
+@pytest.fixture(scope="session")
+def inprocess_worker(inprocess: InProcessServer) -> InProcessServer:
+    """`inprocess` with its worker process running: for tests that wait for matches."""
+    inprocess.start_worker()
+    return inprocess
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """A SparkSession is a JVM process: the tests that start one are slow as well as spark."""
+    for item in items:
+        if "spark" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture

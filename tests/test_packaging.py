@@ -36,6 +36,7 @@ def _hadolint() -> Path:
     return exe
 
 
+@pytest.mark.slow  # starts hadolint
 def test_dockerfile_passes_hadolint() -> None:
     # style is the lowest severity: any finding at all fails the test.
     proc = subprocess.run(

@@ -60,21 +60,3 @@ def plan_cas_args(expected: int, plan_json: str, version: int, now: float, chann
                        history_entry(plan_json, version, now), *(m for _, m in handoffs),
                        str(names.PLAN_HISTORY_MAX)]
     return keys, args
-
-
-# Transitional: names once lived here; callers are moving to app.pipeline.names.
-from app.pipeline.names import (  # noqa: E402, F401
-    BALANCER_CONFIG,
-    BALANCER_STATE,
-    GROUP,
-    LEASE_KEY,
-    PART_SEQ,
-    PLAN_HISTORY,
-    PLAN_HISTORY_MAX,
-    REQUESTS_KEY,
-    ROUND_SEQ,
-    STATS_KEY,
-    command_stream,
-    reply_key,
-    report_key,
-)

@@ -94,23 +94,3 @@ def pack_position(ts: float, lon: float, lat: float, keywords: list[str],
 def unpack_position(raw: bytes) -> Position:
     ts, lon, lat, keywords, props = msgpack.unpackb(raw, raw=False)
     return ts, lon, lat, keywords, props
-
-
-# Transitional: names once lived here; callers are moving to app.pipeline.names.
-from app.pipeline.names import (  # noqa: E402, F401
-    DEAD_LETTER,
-    GROUP,
-    HISTORY_LAST_TTL_S,
-    NOTIFY_CHANNEL,
-    PLAN_CHANNEL,
-    PLAN_KEY,
-    REVOKED_CHANNEL,
-    SUBS_CHANNEL,
-    WORKERS_KEY,
-    done_key,
-    history_key,
-    history_last_key,
-    positions_key,
-    records_key,
-    worker_stream,
-)

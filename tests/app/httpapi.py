@@ -1,5 +1,6 @@
-"""Helpers of the HTTP API tests: a small client bound to one key of a fresh tenant, raw bodies,
-and waiting for a subscription's retained matches (a wait, never a timed assertion)."""
+"""Helpers of the HTTP API tests: a small client bound to one key of a fresh tenant (of the
+in-process api or of a live server), raw bodies, and waiting for a subscription's retained
+matches (a wait, never a timed assertion)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Any
 
 import httpx
 
-from tests.conftest import LiveServer, auth
+from tests.conftest import Server, auth, http_client
 
 JSON = "application/json"
 NDJSON = "application/x-ndjson"
@@ -18,14 +19,14 @@ WORLD = [-180, -90, 180, 90]
 
 
 class Api:
-    """One key (of a fresh tenant unless given) on a live server."""
+    """One key (of a fresh tenant unless given) on an api."""
 
-    def __init__(self, server: LiveServer, key: str | None = None, tenant: str | None = None
+    def __init__(self, server: Server, key: str | None = None, tenant: str | None = None
                  ) -> None:
         self.server = server
         self.tenant = tenant or "t" + secrets.token_hex(6)
         self.key = key or server.new_key(self.tenant)
-        self.client = httpx.Client(base_url=server.base_url, headers=auth(self.key), timeout=30)
+        self.client = http_client(server, auth(self.key))
 
     def close(self) -> None:
         self.client.close()

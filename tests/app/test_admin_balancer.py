@@ -1,7 +1,7 @@
 """API.md, Admin: the partitions as GeoJSON, the balancer's configuration and state, manual
 rebalancing through the coordinator (app/pipeline/control.py) and the operator dashboard,
-against a live api and workers. The coordinator is a fake one in a thread of the test that
-holds the lease and answers the admin requests per protocol; the workers' reports, the
+against the in-process api. The coordinator is a fake one in a thread of the test that holds
+the lease and answers the admin requests per protocol; the workers' heartbeats and reports, the
 balancer state and the rounds table are written by the test."""
 
 from __future__ import annotations
@@ -23,17 +23,18 @@ from app.core.redis import EmbeddedRedis
 from app.geo.balance import DecisionPointer, Stage
 from app.geo.index import Plan
 from app.models import BalancerRound
-from app.pipeline import control as C
-from app.pipeline import records as R
+from app.pipeline import names
 from tests.app.httpapi import Api, check, locs, names_field
-from tests.conftest import LiveServer, auth, start_server
+from tests.conftest import InProcessServer, auth, start_inprocess
 
 # A small grid over New York with three workers: the initial plan (SWARM §4.1.1) halves the
 # 5x2 grid into p0 = x0..1, p1 = x2 (one cell wide) and p2 = x3..4, all two rows tall.
 BOUNDS = (-74.3, 40.5, -73.7, 40.9)
 GRID = (5, 2)
 TIMEOUT_S = 1.5  # GEOSWARM_ADMIN_REBALANCE_TIMEOUT_S of this module's server
-CONTROL_KEYS = [C.LEASE_KEY, C.REQUESTS_KEY, C.BALANCER_CONFIG, C.BALANCER_STATE, C.STATS_KEY]
+WORKERS = ["w0", "w1", "w2"]
+CONTROL_KEYS = [names.LEASE_KEY, names.REQUESTS_KEY, names.BALANCER_CONFIG, names.BALANCER_STATE,
+                names.STATS_KEY]
 
 ENDPOINTS = [
     ("GET", "/v1/admin/partitions", None),
@@ -47,25 +48,31 @@ ENDPOINTS = [
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, embedded_redis: EmbeddedRedis
-           ) -> Iterator[LiveServer]:
-    s = start_server(tmp_path_factory.mktemp("balancer"), embedded_redis.url, workers=3,
-                     GEOSWARM_BOUNDS=",".join(map(str, BOUNDS)),
-                     GEOSWARM_GRID="x".join(map(str, GRID)),
-                     GEOSWARM_ADMIN_REBALANCE_TIMEOUT_S=str(TIMEOUT_S))
-    s.wait_workers(3)
-    yield s
-    s.stop()
+           ) -> Iterator[InProcessServer]:
+    """The api in-process with a plan over three workers, alive as far as the api can tell:
+    their heartbeats (as the executors write them, fresh for the module's duration)."""
+    with start_inprocess(tmp_path_factory.mktemp("balancer"), embedded_redis.url,
+                         GEOSWARM_WORKERS=",".join(WORKERS),
+                         GEOSWARM_BOUNDS=",".join(map(str, BOUNDS)),
+                         GEOSWARM_GRID="x".join(map(str, GRID)),
+                         GEOSWARM_ADMIN_REBALANCE_TIMEOUT_S=str(TIMEOUT_S)) as s:
+        client = redis.Redis.from_url(s.redis_url)
+        until = time.time() + 3600
+        client.hset(names.WORKERS_KEY, mapping={
+            w: json.dumps({"id": w, "pid": 1, "host": "h", "heartbeat": until}) for w in WORKERS})
+        client.close()
+        yield s
 
 
 @pytest.fixture(scope="module")
-def rdb(server: LiveServer) -> Iterator[redis.Redis]:
+def rdb(server: InProcessServer) -> Iterator[redis.Redis]:
     client = redis.Redis.from_url(server.redis_url)
     yield client
     client.close()
 
 
 @pytest.fixture(scope="module")
-def sessions(server: LiveServer) -> Iterator[Any]:
+def sessions(server: InProcessServer) -> Iterator[Any]:
     engine = make_engine(Settings(database_url=server.env["GEOSWARM_DATABASE_URL"]))
     yield make_sessionmaker(engine)
     engine.dispose()
@@ -77,7 +84,7 @@ def clean(rdb: redis.Redis, sessions: Any) -> Iterator[None]:
 
     def wipe() -> None:
         rdb.delete(*CONTROL_KEYS)
-        rdb.hdel(R.WORKERS_KEY, "w-dead", "w-new")
+        rdb.hdel(names.WORKERS_KEY, "w-dead", "w-new")
         with sessions() as session:
             session.execute(delete(BalancerRound))
             session.commit()
@@ -88,20 +95,20 @@ def clean(rdb: redis.Redis, sessions: Any) -> Iterator[None]:
 
 
 @pytest.fixture
-def admin(server: LiveServer) -> Iterator[Api]:
+def admin(server: InProcessServer) -> Iterator[Api]:
     a = Api(server, key=server.admin_key, tenant="admin")
     yield a
     a.close()
 
 
-def request(server: LiveServer, method: str, path: str, body: Any = None,
+def request(server: InProcessServer, method: str, path: str, body: Any = None,
             headers: dict[str, str] | None = None) -> httpx.Response:
-    return check(httpx.request(method, server.base_url + path, json=body,
-                               headers=headers or server.admin(), timeout=30))
+    with server.http() as client:
+        return check(client.request(method, path, json=body, headers=headers or server.admin()))
 
 
 def plan(rdb: redis.Redis) -> Plan:
-    raw = rdb.get(R.PLAN_KEY)
+    raw = rdb.get(names.PLAN_KEY)
     assert raw is not None
     return Plan.from_json(raw)
 
@@ -114,30 +121,32 @@ class FakeCoordinator:
         self.redis = redis.Redis.from_url(url)
         self.answer = answer
         self.requests: list[dict[str, Any]] = []
+        self._wake = "test:fake-coordinator:wake"  # ends the BLPOP at once on exit
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="fake-coordinator", daemon=True)
 
     def __enter__(self) -> FakeCoordinator:
-        self.redis.set(C.LEASE_KEY, "fake-coordinator", px=60_000)
+        self.redis.set(names.LEASE_KEY, "fake-coordinator", px=60_000)
         self._thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
+        self.redis.rpush(self._wake, b"")
         self._thread.join(5)
-        self.redis.delete(C.LEASE_KEY)
+        self.redis.delete(names.LEASE_KEY, self._wake)
         self.redis.close()
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            got = self.redis.blpop([C.REQUESTS_KEY], timeout=0.1)
-            if got is None:
+            got = self.redis.blpop([names.REQUESTS_KEY, self._wake], timeout=0.1)
+            if got is None or got[0] == self._wake.encode():
                 continue
             req = json.loads(got[1])
             self.requests.append(req)
             reply = self.answer(req)
             if reply is not None:
-                self.redis.rpush(C.reply_key(req["id"]), json.dumps(reply))
+                self.redis.rpush(names.reply_key(req["id"]), json.dumps(reply))
 
 
 def accept(req: dict[str, Any]) -> dict[str, Any]:
@@ -151,19 +160,19 @@ def accept(req: dict[str, Any]) -> dict[str, Any]:
 
 @pytest.mark.parametrize(("method", "path", "body"), ENDPOINTS,
                          ids=[f"{m} {p} {b}" for m, p, b in ENDPOINTS])
-def test_admin_key_required(server: LiveServer, rdb: redis.Redis, method: str, path: str,
+def test_admin_key_required(server: InProcessServer, rdb: redis.Redis, method: str, path: str,
                             body: Any) -> None:
     tenant = server.new_key()
     with FakeCoordinator(server.redis_url, accept) as coordinator:
         for headers, status in ((None, 401), (auth("gs_" + "x" * 43), 401),
                                 (auth(tenant), 403)):
-            r = check(httpx.request(method, server.base_url + path, json=body,
-                                    headers=headers, timeout=30))
+            with server.http() as client:
+                r = check(client.request(method, path, json=body, headers=headers))
             assert r.status_code == status, (headers, r.text)
             assert isinstance(r.json()["detail"], str)
         time.sleep(0.3)
         assert coordinator.requests == []  # nothing reached the coordinator
-    assert rdb.get(C.BALANCER_CONFIG) is None  # and nothing was changed
+    assert rdb.get(names.BALANCER_CONFIG) is None  # and nothing was changed
 
 
 # --- GET /v1/admin/partitions ------------------------------------------------------------------
@@ -173,14 +182,14 @@ def report(worker: str, round_no: int, r: float, parts: list[dict[str, Any]]) ->
                        "num": sum(p["num"] for p in parts), "R": r, "partitions": parts}).encode()
 
 
-def test_partitions_geojson(server: LiveServer, rdb: redis.Redis) -> None:
+def test_partitions_geojson(server: InProcessServer, rdb: redis.Redis) -> None:
     current = plan(rdb)
     ids = [p.id for p in current.partitions]
     assert len(ids) == 3
     first, second, third = ids
     # Round 5: the first two partitions' owners report, R(S) = 30 + 10; an old report of
     # round 4 neither counts in R(S) nor hides the newer statistics of `first`.
-    rdb.hset(C.STATS_KEY, mapping={
+    rdb.hset(names.STATS_KEY, mapping={
         "w0": report("w0", 5, 30.0, [{"id": first, "N": 100, "Q": 4, "R": 30, "num": 12.0}]),
         "w1": report("w1", 5, 10.0, [{"id": second, "N": 7, "Q": 2, "R": 10, "num": 3.0}]),
         "w-gone": report("w-gone", 4, 99.0, [{"id": first, "N": 1, "Q": 1, "R": 1, "num": 1.0}]),
@@ -216,7 +225,7 @@ def test_partitions_geojson(server: LiveServer, rdb: redis.Redis) -> None:
         assert props["cost"] == pytest.approx(num / 40.0)
 
 
-def test_partitions_without_reports(server: LiveServer, rdb: redis.Redis) -> None:
+def test_partitions_without_reports(server: InProcessServer, rdb: redis.Redis) -> None:
     r = request(server, "GET", "/v1/admin/partitions")
     assert r.status_code == 200, r.text
     fc = r.json()
@@ -225,7 +234,7 @@ def test_partitions_without_reports(server: LiveServer, rdb: redis.Redis) -> Non
         assert {k: f["properties"][k] for k in ("N", "Q", "R", "cost")} == {
             "N": 0, "Q": 0, "R": 0, "cost": 0}
     # Garbage in the reports hash is ignored, never a 500.
-    rdb.hset(C.STATS_KEY, mapping={"w0": b"not json", "w1": b"[1, 2]",
+    rdb.hset(names.STATS_KEY, mapping={"w0": b"not json", "w1": b"[1, 2]",
                                    "w2": json.dumps({"round": 1, "R": "x", "partitions": 5})})
     r = request(server, "GET", "/v1/admin/partitions")
     assert r.status_code == 200, r.text
@@ -234,25 +243,26 @@ def test_partitions_without_reports(server: LiveServer, rdb: redis.Redis) -> Non
 
 # --- GET / PUT /v1/admin/balancer ---------------------------------------------------------------
 
-def test_balancer_defaults(server: LiveServer) -> None:
+def test_balancer_defaults(server: InProcessServer) -> None:
     r = request(server, "GET", "/v1/admin/balancer")
     assert r.status_code == 200, r.text
     body = r.json()
-    # start_server sets GEOSWARM_BALANCE_PERIOD_S=2; partitioning defaults to swarm.
+    # start_inprocess sets GEOSWARM_BALANCE_PERIOD_S=2; partitioning defaults to swarm.
     assert {k: body[k] for k in ("enabled", "period_s", "beta")} == {
         "enabled": True, "period_s": 2.0, "beta": 20}
     assert body["stage"] == "START" and body["last_decision"] is None
     assert body["leader"] is None and body["round"] is None and body["rounds"] == []
 
 
-def test_balancer_state_and_rounds(server: LiveServer, rdb: redis.Redis, sessions: Any) -> None:
+def test_balancer_state_and_rounds(server: InProcessServer, rdb: redis.Redis,
+                                   sessions: Any) -> None:
     pointer = DecisionPointer(beta=20)
     pointer.step(5.0)  # R(S) went up: Start -> Good
     assert pointer.stage == Stage.GOOD
-    rdb.set(C.BALANCER_STATE, json.dumps({
+    rdb.set(names.BALANCER_STATE, json.dumps({
         "pointer": pointer.to_dict(), "round": 24, "last_decision": "rebalance", "r_s": 5.0,
         "costs": {"w0": 0.75, "w1": 0.25}, "leader": "c-1"}))
-    rdb.set(C.LEASE_KEY, "c-1")
+    rdb.set(names.LEASE_KEY, "c-1")
     t0 = 1_763_800_000.0
     with sessions() as session:
         for n in range(25):
@@ -277,17 +287,17 @@ def test_balancer_state_and_rounds(server: LiveServer, rdb: redis.Redis, session
         0.75, 0.25, 0.0)
 
 
-def test_put_balancer_merges(server: LiveServer, rdb: redis.Redis) -> None:
+def test_put_balancer_merges(server: InProcessServer, rdb: redis.Redis) -> None:
     r = request(server, "PUT", "/v1/admin/balancer", {"enabled": False})
     assert r.status_code == 200, r.text
     assert {k: r.json()[k] for k in ("enabled", "period_s", "beta", "stage")} == {
         "enabled": False, "period_s": 2.0, "beta": 20, "stage": "START"}
-    assert json.loads(rdb.get(C.BALANCER_CONFIG) or b"") == {
+    assert json.loads(rdb.get(names.BALANCER_CONFIG) or b"") == {
         "enabled": False, "period_s": 2.0, "beta": 20}
     r = request(server, "PUT", "/v1/admin/balancer", {"period_s": 5, "beta": 7})
     assert r.status_code == 200, r.text
     expected = {"enabled": False, "period_s": 5, "beta": 7}
-    assert json.loads(rdb.get(C.BALANCER_CONFIG) or b"") == expected
+    assert json.loads(rdb.get(names.BALANCER_CONFIG) or b"") == expected
     got = request(server, "GET", "/v1/admin/balancer").json()
     assert {k: got[k] for k in expected} == expected
     assert got == r.json()
@@ -313,13 +323,13 @@ BAD_CONFIG = [
 
 
 @pytest.mark.parametrize(("body", "field"), BAD_CONFIG, ids=[json.dumps(b) for b, _ in BAD_CONFIG])
-def test_put_balancer_validation(server: LiveServer, rdb: redis.Redis, body: dict[str, Any],
+def test_put_balancer_validation(server: InProcessServer, rdb: redis.Redis, body: dict[str, Any],
                                  field: str) -> None:
     before = json.dumps({"enabled": True, "period_s": 3.0, "beta": 9}).encode()
-    rdb.set(C.BALANCER_CONFIG, before)
+    rdb.set(names.BALANCER_CONFIG, before)
     r = request(server, "PUT", "/v1/admin/balancer", body)
     assert names_field(r, field), r.text
-    assert rdb.get(C.BALANCER_CONFIG) == before
+    assert rdb.get(names.BALANCER_CONFIG) == before
 
 
 @pytest.mark.parametrize("raw", [b'{"period_s": NaN}', b'{"period_s": Infinity}',
@@ -327,18 +337,18 @@ def test_put_balancer_validation(server: LiveServer, rdb: redis.Redis, body: dic
 def test_put_balancer_malformed(admin: Api, rdb: redis.Redis, raw: bytes) -> None:
     r = admin.raw("/v1/admin/balancer", raw, method="PUT")
     assert r.status_code in (400, 422), r.text
-    assert rdb.get(C.BALANCER_CONFIG) is None
+    assert rdb.get(names.BALANCER_CONFIG) is None
 
 
 # --- POST /v1/admin/rebalance -------------------------------------------------------------------
 
-def test_rebalance_without_coordinator_is_503(server: LiveServer, rdb: redis.Redis) -> None:
+def test_rebalance_without_coordinator_is_503(server: InProcessServer, rdb: redis.Redis) -> None:
     for body in ({}, {"partition": "p0", "to": "w1"}, {"split": "p0", "axis": "y", "at": 0}):
         r = request(server, "POST", "/v1/admin/rebalance", body)
         assert r.status_code == 503, r.text
         assert int(r.headers["retry-after"]) >= 1
         assert "no coordinator is running" in r.json()["detail"]
-    assert rdb.llen(C.REQUESTS_KEY) == 0  # nothing was queued for a later coordinator
+    assert rdb.llen(names.REQUESTS_KEY) == 0  # nothing was queued for a later coordinator
 
 
 SHAPE_ERRORS = [
@@ -361,7 +371,7 @@ SHAPE_ERRORS = [
 
 @pytest.mark.parametrize(("body", "field"), SHAPE_ERRORS,
                          ids=[json.dumps(b) for b, _ in SHAPE_ERRORS])
-def test_rebalance_shape_errors(server: LiveServer, body: dict[str, Any], field: str) -> None:
+def test_rebalance_shape_errors(server: InProcessServer, body: dict[str, Any], field: str) -> None:
     with FakeCoordinator(server.redis_url, accept) as coordinator:
         r = request(server, "POST", "/v1/admin/rebalance", body)
         assert names_field(r, field), r.text
@@ -376,13 +386,14 @@ def test_rebalance_not_an_object(admin: Api, body: Any) -> None:
     assert "{} (a round)" in r.json()["detail"][0]["msg"]
 
 
-def test_rebalance_checks_the_plan(server: LiveServer, rdb: redis.Redis) -> None:
+def test_rebalance_checks_the_plan(server: InProcessServer, rdb: redis.Redis) -> None:
     parts = {p.id: p for p in plan(rdb).partitions}
     one_wide = next(p for p in parts.values() if p.x0 == p.x1)
     wide = next(p for p in parts.values() if p.x1 - p.x0 >= 1)
     other = next(p.worker for p in parts.values() if p.worker != wide.worker)
     now = time.time()
-    rdb.hset(R.WORKERS_KEY, "w-dead", json.dumps({"pid": 1, "host": "h", "heartbeat": now - 600}))
+    rdb.hset(names.WORKERS_KEY, "w-dead",
+             json.dumps({"pid": 1, "host": "h", "heartbeat": now - 600}))
     cases: list[tuple[dict[str, Any], int, str | None]] = [
         ({"partition": "p999", "to": other}, 404, None),
         ({"partition": wide.id, "to": "w-nobody"}, 404, None),
@@ -405,15 +416,16 @@ def test_rebalance_checks_the_plan(server: LiveServer, rdb: redis.Redis) -> None
             else:
                 assert names_field(r, field), (body, r.text)
     assert coordinator.requests == []
-    assert rdb.llen(C.REQUESTS_KEY) == 0
+    assert rdb.llen(names.REQUESTS_KEY) == 0
 
 
-def test_rebalance_passes_the_coordinators_answer(server: LiveServer, rdb: redis.Redis) -> None:
+def test_rebalance_passes_the_coordinators_answer(server: InProcessServer,
+                                                  rdb: redis.Redis) -> None:
     parts = plan(rdb).partitions
     p = next(p for p in parts if p.x1 > p.x0)
     to = next(q.worker for q in parts if q.worker != p.worker)
     now = time.time()
-    rdb.hset(R.WORKERS_KEY, "w-new", json.dumps({"pid": 1, "host": "h", "heartbeat": now + 60}))
+    rdb.hset(names.WORKERS_KEY, "w-new", json.dumps({"pid": 1, "host": "h", "heartbeat": now + 60}))
     calls = [
         ({}, {"kind": "round"}),
         ({"partition": p.id, "to": to}, {"kind": "move", "partition": p.id, "to": to}),
@@ -433,10 +445,10 @@ def test_rebalance_passes_the_coordinators_answer(server: LiveServer, rdb: redis
             assert isinstance(req["id"], str) and len(req["id"]) >= 16
             assert r.json() == {"round": 41, "action": accept(req)["action"],
                                 "details": {k: v for k, v in sent.items() if k != "kind"}}
-            assert rdb.exists(C.reply_key(req["id"])) == 0  # the answer was consumed
+            assert rdb.exists(names.reply_key(req["id"])) == 0  # the answer was consumed
     ids = [req["id"] for req in coordinator.requests]
     assert len(set(ids)) == len(ids) == len(calls)
-    assert rdb.llen(C.REQUESTS_KEY) == 0
+    assert rdb.llen(names.REQUESTS_KEY) == 0
 
 
 @pytest.mark.parametrize(("reply", "status"), [
@@ -445,7 +457,7 @@ def test_rebalance_passes_the_coordinators_answer(server: LiveServer, rdb: redis
     ({"status": 422, "error": "at must split the partition"}, 422),
     ({"status": 503, "error": "the coordinator is busy with a round"}, 503),
 ])
-def test_rebalance_passes_the_coordinators_errors(server: LiveServer, reply: dict[str, Any],
+def test_rebalance_passes_the_coordinators_errors(server: InProcessServer, reply: dict[str, Any],
                                                   status: int) -> None:
     with FakeCoordinator(server.redis_url, lambda _req: reply):
         r = request(server, "POST", "/v1/admin/rebalance", {})
@@ -459,11 +471,11 @@ def test_rebalance_passes_the_coordinators_errors(server: LiveServer, reply: dic
         assert "retry-after" in r.headers
 
 
-def test_rebalance_timeout_withdraws_the_request(server: LiveServer, rdb: redis.Redis) -> None:
+def test_rebalance_timeout_withdraws_the_request(server: InProcessServer, rdb: redis.Redis) -> None:
     """A coordinator holds the lease but never reads: 503 after the timeout, and the request
     is taken off the list so that it is not carried out later."""
-    rdb.set(C.LEASE_KEY, "stuck-coordinator", px=60_000)
-    rdb.rpush(C.REQUESTS_KEY, b'{"id": "someone-else", "kind": "round"}')
+    rdb.set(names.LEASE_KEY, "stuck-coordinator", px=60_000)
+    rdb.rpush(names.REQUESTS_KEY, b'{"id": "someone-else", "kind": "round"}')
     start = time.monotonic()
     r = request(server, "POST", "/v1/admin/rebalance", {})
     elapsed = time.monotonic() - start
@@ -471,19 +483,19 @@ def test_rebalance_timeout_withdraws_the_request(server: LiveServer, rdb: redis.
     assert "retry-after" in r.headers
     assert "did not answer" in r.json()["detail"] and "withdrawn" in r.json()["detail"]
     assert TIMEOUT_S - 0.2 <= elapsed < TIMEOUT_S + 10
-    assert rdb.lrange(C.REQUESTS_KEY, 0, -1) == [b'{"id": "someone-else", "kind": "round"}']
+    assert rdb.lrange(names.REQUESTS_KEY, 0, -1) == [b'{"id": "someone-else", "kind": "round"}']
 
 
-def test_rebalance_timeout_after_the_coordinator_took_it(server: LiveServer,
+def test_rebalance_timeout_after_the_coordinator_took_it(server: InProcessServer,
                                                          rdb: redis.Redis) -> None:
     with FakeCoordinator(server.redis_url, lambda _req: None) as coordinator:
         r = request(server, "POST", "/v1/admin/rebalance", {})
     assert r.status_code == 503, r.text
     assert "may still carry it out" in r.json()["detail"]
-    assert len(coordinator.requests) == 1 and rdb.llen(C.REQUESTS_KEY) == 0
+    assert len(coordinator.requests) == 1 and rdb.llen(names.REQUESTS_KEY) == 0
 
 
-def test_concurrent_rebalances_get_their_own_answers(server: LiveServer) -> None:
+def test_concurrent_rebalances_get_their_own_answers(server: InProcessServer) -> None:
     def answer(req: dict[str, Any]) -> dict[str, Any]:
         return {"status": 202, "round": req["id"], "action": "none", "details": {}}
 
@@ -505,27 +517,29 @@ def test_concurrent_rebalances_get_their_own_answers(server: LiveServer) -> None
 
 # --- the dashboard -------------------------------------------------------------------------------
 
-def test_dashboard(server: LiveServer) -> None:
-    r = httpx.get(server.base_url + "/admin/", timeout=10)  # no key: the page asks for it
-    assert r.status_code == 200, r.text
-    assert r.headers["content-type"].startswith("text/html")
-    page = r.text
-    assert "<canvas" in page and "sessionStorage" in page
-    for path in ("/v1/admin/cluster", "/v1/admin/balancer", "/v1/admin/partitions",
-                 "/v1/admin/rebalance"):
-        assert path in page, path
-    # Self-contained: nothing is loaded from elsewhere, and the CSP says so too.
-    lowered = page.lower()
-    assert "src=\"http" not in lowered and "href=\"http" not in lowered
-    assert "<script src" not in lowered and "<link" not in lowered
-    assert "default-src 'none'" in r.headers["content-security-policy"]
-    # Without the trailing slash it redirects to the page.
-    r = httpx.get(server.base_url + "/admin", timeout=10, follow_redirects=True)
-    assert r.status_code == 200 and r.url.path == "/admin/"
+def test_dashboard(server: InProcessServer) -> None:
+    with server.http() as client:
+        r = client.get("/admin/")  # no key: the page asks for it
+        assert r.status_code == 200, r.text
+        assert r.headers["content-type"].startswith("text/html")
+        page = r.text
+        assert "<canvas" in page and "sessionStorage" in page
+        for path in ("/v1/admin/cluster", "/v1/admin/balancer", "/v1/admin/partitions",
+                     "/v1/admin/rebalance"):
+            assert path in page, path
+        # Self-contained: nothing is loaded from elsewhere, and the CSP says so too.
+        lowered = page.lower()
+        assert "src=\"http" not in lowered and "href=\"http" not in lowered
+        assert "<script src" not in lowered and "<link" not in lowered
+        assert "default-src 'none'" in r.headers["content-security-policy"]
+        # Without the trailing slash it redirects to the page.
+        r = client.get("/admin", follow_redirects=True)
+        assert r.status_code == 200 and r.url.path == "/admin/"
 
 
-def test_openapi_documents_the_admin_endpoints(server: LiveServer) -> None:
-    paths = httpx.get(server.base_url + "/openapi.json", timeout=10).json()["paths"]
+def test_openapi_documents_the_admin_endpoints(server: InProcessServer) -> None:
+    with server.http() as client:
+        paths = client.get("/openapi.json").json()["paths"]
     assert {"get"} <= set(paths["/v1/admin/partitions"])
     assert {"get", "put"} <= set(paths["/v1/admin/balancer"])
     assert {"post"} <= set(paths["/v1/admin/rebalance"])

@@ -289,7 +289,7 @@ def test_inputs_that_were_never_ours_are_not_found(session: Session) -> None:
     assert keys.lookup(session, "gs_\x00") is None  # hashed before it reaches SQL
 
 
-# --- the CLI -----------------------------------------------------------------------------
+# --- the CLI (`geoswarm` processes: slow) ------------------------------------------------
 
 def _cli(args: list[str], database_url: str, data_dir: Path) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("GEOSWARM_")}
@@ -298,6 +298,7 @@ def _cli(args: list[str], database_url: str, data_dir: Path) -> subprocess.Compl
                           capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.slow
 def test_cli_migrate_and_keys_create(database_url: str, tmp_path: Path) -> None:
     proc = _cli(["migrate"], database_url, tmp_path)
     assert proc.returncode == 0, proc.stderr
@@ -325,6 +326,7 @@ def test_cli_migrate_and_keys_create(database_url: str, tmp_path: Path) -> None:
         engine.dispose()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tenant", ["bad tenant!", "", "x" * 65])
 def test_cli_keys_create_rejects_an_invalid_tenant(tenant: str, tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 'geoswarm.db'}"

@@ -1,7 +1,8 @@
 """Property-based: no input, however malformed, produces a 5xx or takes the server down (API.md,
 Errors). Random JSON values (huge ints, NaN / Infinity, lone surrogates, deep nesting), raw
 bytes and mutations of valid bodies are POSTed to every JSON endpoint; random paths and query
-strings are sent to the GETs. Bounded so that the module runs well under a minute."""
+strings are sent to the GETs. Bounded so that the module runs well under a minute. Against the
+in-process api, with its worker running (readiness needs a live worker)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.app.httpapi import JSON, NDJSON
-from tests.conftest import LiveServer, auth
+from tests.conftest import InProcessServer, auth
 
 FUZZ = settings(max_examples=150, deadline=None, database=None, derandomize=False,
                 suppress_health_check=[HealthCheck.function_scoped_fixture,
@@ -119,16 +120,21 @@ def raw_bodies(draw: st.DrawFn, values: st.SearchStrategy[Any]) -> bytes:
 # --- fixtures and checks ---------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def client(server: LiveServer) -> Iterator[httpx.Client]:
+def server(inprocess_worker: InProcessServer) -> InProcessServer:
+    """This module's api: in-process, with its worker."""
+    return inprocess_worker
+
+
+@pytest.fixture(scope="module")
+def client(server: InProcessServer) -> Iterator[httpx.Client]:
     """One tenant's key for the whole module (fuzzing never needs a clean tenant)."""
-    with httpx.Client(base_url=server.base_url, headers=auth(server.new_key()),
-                      timeout=30) as c:
+    with server.http(auth(server.new_key())) as c:
         yield c
 
 
 @pytest.fixture(scope="module")
-def admin_client(server: LiveServer) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=server.base_url, headers=server.admin(), timeout=30) as c:
+def admin_client(server: InProcessServer) -> Iterator[httpx.Client]:
+    with server.http(server.admin()) as c:
         yield c
 
 
@@ -144,14 +150,15 @@ def no_5xx(r: httpx.Response, unavailable_ok: bool = False) -> None:
         assert "detail" in r.json(), r.text[:300]
 
 
-def healthy(server: LiveServer) -> None:
-    assert server.procs["api"].poll() is None, "the api process died"
-    assert httpx.get(server.base_url + "/healthz", timeout=10).status_code == 200
-    r = httpx.get(server.base_url + "/readyz", timeout=10)
+def healthy(server: InProcessServer) -> None:
+    """The api still serves (in-process there is no api process that could die instead)."""
+    with server.http() as c:
+        assert c.get("/healthz").status_code == 200
+        r = c.get("/readyz")
     assert r.status_code == 200, r.text
 
 
-def fuzz_post(server: LiveServer, c: httpx.Client, path: str, bodies: st.SearchStrategy[bytes],
+def fuzz_post(server: InProcessServer, c: httpx.Client, path: str, bodies: st.SearchStrategy[bytes],
               content_type: str = JSON,
               on_success: Callable[[httpx.Response], None] | None = None,
               method: str = "POST", unavailable_ok: bool = False) -> None:
@@ -173,7 +180,7 @@ def object_batches() -> st.SearchStrategy[Any]:
     return mutated([{"objects": [OBJECT]}, {"objects": [OBJECT, {"lon": 0, "lat": 0}]}])
 
 
-def test_fuzz_objects_json(server: LiveServer, client: httpx.Client) -> None:
+def test_fuzz_objects_json(server: InProcessServer, client: httpx.Client) -> None:
     def accepted(r: httpx.Response) -> None:
         assert r.status_code == 202
         assert r.json()["accepted"] == len(r.json()["ids"]) >= 1
@@ -182,17 +189,16 @@ def test_fuzz_objects_json(server: LiveServer, client: httpx.Client) -> None:
               on_success=accepted)
 
 
-def test_fuzz_objects_ndjson(server: LiveServer, client: httpx.Client) -> None:
+def test_fuzz_objects_ndjson(server: InProcessServer, client: httpx.Client) -> None:
     lines = st.lists(json_values | mutated([OBJECT]) | st.just(OBJECT), max_size=5)
     bodies = lines.map(lambda ls: b"\n".join(encode(v) for v in ls)) | st.binary(max_size=100)
     fuzz_post(server, client, "/v1/objects", bodies, content_type=NDJSON)
 
 
-def test_fuzz_subscriptions(server: LiveServer) -> None:
+def test_fuzz_subscriptions(server: InProcessServer) -> None:
     """Also: what was accepted is exactly what the tenant's list holds (a rejected request
     stores nothing)."""
-    with httpx.Client(base_url=server.base_url, headers=auth(server.new_key()),
-                      timeout=30) as c:
+    with server.http(auth(server.new_key())) as c:
         created: list[str] = []
         fuzz_post(server, c, "/v1/subscriptions", raw_bodies(json_values | mutated(SUBSCRIPTIONS)),
                   on_success=lambda r: created.append(r.json()["id"]))
@@ -212,7 +218,7 @@ def test_fuzz_subscriptions(server: LiveServer) -> None:
         assert listed == created
 
 
-def test_fuzz_admin_keys(server: LiveServer, admin_client: httpx.Client) -> None:
+def test_fuzz_admin_keys(server: InProcessServer, admin_client: httpx.Client) -> None:
     keys = mutated([{"tenant": "acme", "admin": False}, {"tenant": "fuzz-" + secrets.token_hex(2)}])
     fuzz_post(server, admin_client, "/v1/admin/keys", raw_bodies(json_values | keys))
 
@@ -222,7 +228,7 @@ REBALANCE = [{}, {"partition": "p0", "to": "w1"}, {"split": "p0", "axis": "x", "
              {"split": "p1", "axis": "y", "at": 999}]
 
 
-def test_fuzz_admin_balancer(server: LiveServer, admin_client: httpx.Client) -> None:
+def test_fuzz_admin_balancer(server: InProcessServer, admin_client: httpx.Client) -> None:
     def stored(r: httpx.Response) -> None:
         body = r.json()
         assert isinstance(body["enabled"], bool)
@@ -232,13 +238,13 @@ def test_fuzz_admin_balancer(server: LiveServer, admin_client: httpx.Client) -> 
     fuzz_post(server, admin_client, "/v1/admin/balancer", bodies, method="PUT", on_success=stored)
 
 
-def test_fuzz_admin_rebalance(server: LiveServer, admin_client: httpx.Client) -> None:
+def test_fuzz_admin_rebalance(server: InProcessServer, admin_client: httpx.Client) -> None:
     """No coordinator runs here: a request that passes validation is the documented 503."""
     fuzz_post(server, admin_client, "/v1/admin/rebalance",
               raw_bodies(json_values | mutated(REBALANCE)), unavailable_ok=True)
 
 
-def test_fuzz_wrong_content_types(server: LiveServer, client: httpx.Client) -> None:
+def test_fuzz_wrong_content_types(server: InProcessServer, client: httpx.Client) -> None:
     @FUZZ
     @given(path=st.sampled_from(["/v1/objects", "/v1/subscriptions", "/v1/subscriptions/batch"]),
            content_type=st.sampled_from(["text/plain", "application/xml", "", "application/json; "
@@ -263,7 +269,7 @@ queries = st.dictionaries(st.sampled_from(["limit", "cursor", "since", "token", 
                           query_values, max_size=4)
 
 
-def test_fuzz_get_paths(server: LiveServer, client: httpx.Client) -> None:
+def test_fuzz_get_paths(server: InProcessServer, client: httpx.Client) -> None:
     r = client.post("/v1/subscriptions", json={"type": "range", "bbox": [-180, -90, 180, 90]})
     sid = r.json()["id"]
     client.post("/v1/objects", json={"objects": [{"id": "fz", "lon": 1, "lat": 1}]})
@@ -295,7 +301,8 @@ def test_fuzz_get_paths(server: LiveServer, client: httpx.Client) -> None:
     assert client.get(f"/v1/subscriptions/{sid}").status_code == 200
 
 
-def test_matches_cursor_past_redis_stream_ids(server: LiveServer, client: httpx.Client) -> None:
+def test_matches_cursor_past_redis_stream_ids(server: InProcessServer,
+                                              client: httpx.Client) -> None:
     r = client.post("/v1/subscriptions", json={"type": "keyword", "keywords": ["a"]})
     sid = r.json()["id"]
     for since in ("1-1:0", "999999999999999999-999999999999999999:0", "0-0:99999999999999999999"):
@@ -305,7 +312,7 @@ def test_matches_cursor_past_redis_stream_ids(server: LiveServer, client: httpx.
 
 @pytest.mark.parametrize("since", ["99999999999999999999999-0:0",
                                    "18446744073709551615-18446744073709551615:0"])
-def test_matches_cursor_past_64_bits_is_422(server: LiveServer, client: httpx.Client,
+def test_matches_cursor_past_64_bits_is_422(server: InProcessServer, client: httpx.Client,
                                             since: str) -> None:
     r = client.post("/v1/subscriptions", json={"type": "keyword", "keywords": ["a"]})
     sid = r.json()["id"]

@@ -1,8 +1,7 @@
-"""`/metrics` is Prometheus text and counts what the api did."""
+"""`/metrics` is Prometheus text and counts what the api did (in-process: the counters are
+this process's, read as differences)."""
 
-import httpx
-
-from tests.conftest import LiveServer, auth
+from tests.conftest import InProcessServer, auth
 
 
 def _value(text: str, name: str) -> float:
@@ -12,17 +11,16 @@ def _value(text: str, name: str) -> float:
     raise AssertionError(f"{name} missing from /metrics")
 
 
-def test_metrics_count_published_objects_and_subscriptions(server: LiveServer,
-                                                           tenant_key: str) -> None:
-    before = httpx.get(server.base_url + "/metrics").text
-    h = auth(tenant_key)
-    r = httpx.post(server.base_url + "/v1/subscriptions", headers=h,
-                   json={"type": "keyword", "keywords": ["m"]})
-    assert r.status_code == 201
-    objs = [{"lon": 1.0, "lat": 2.0}] * 3
-    assert httpx.post(server.base_url + "/v1/objects", headers=h,
-                      json={"objects": objs}).status_code == 202
-    after = httpx.get(server.base_url + "/metrics")
+def test_metrics_count_published_objects_and_subscriptions(inprocess: InProcessServer) -> None:
+    with inprocess.http() as client:
+        before = client.get("/metrics").text
+        h = auth(inprocess.new_key())
+        r = client.post("/v1/subscriptions", headers=h,
+                        json={"type": "keyword", "keywords": ["m"]})
+        assert r.status_code == 201
+        objs = [{"lon": 1.0, "lat": 2.0}] * 3
+        assert client.post("/v1/objects", headers=h, json={"objects": objs}).status_code == 202
+        after = client.get("/metrics")
     assert after.headers["content-type"].startswith("text/plain")
     name = "geoswarm_objects_accepted_total"
     assert _value(after.text, name) - _value(before, name) == 3

@@ -45,6 +45,9 @@ from app.main import create_app
 from app.services.subscriptions import encode_cursor
 from bench.cluster import BOOTSTRAP, ROOT, own_database
 
+# It starts a real worker and coordinator process beside the in-process app.
+pytestmark = pytest.mark.slow
+
 MAX_EXAMPLES = 25  # per operation, role and generation mode (valid, invalid)
 CONFORMANCE = settings(max_examples=MAX_EXAMPLES, deadline=None, database=None,
                        suppress_health_check=list(HealthCheck))

@@ -15,7 +15,7 @@ from app.core.config import Settings
 from app.core.redis import EmbeddedRedis
 from app.geo.grid import Grid
 from app.geo.index import GlobalIndex, initial_plan
-from app.pipeline import records as R
+from app.pipeline import names
 from app.pipeline.cluster import partition_ids
 from app.pipeline.names import PART_SEQ
 from app.pipeline.router import (
@@ -123,7 +123,7 @@ def test_ensure_plan_sets_the_partition_counter(embedded_redis: EmbeddedRedis,
             # Another worker set: a new plan version, the counter never goes back.
             other = await ensure_plan(r, settings, ["w0", "w1"])
             assert other.version == 2 and int(await r.get(PART_SEQ)) == 6
-            assert (await r.get(R.PLAN_KEY)) is not None
+            assert (await r.get(names.PLAN_KEY)) is not None
         finally:
             await r.aclose()
 

@@ -1,5 +1,6 @@
 """API.md, Subscriptions over HTTP: the four shapes and their 201 bodies, batch create, list
-pagination (own tenant only), get, delete, and TTL — on SQLite and on PostgreSQL."""
+pagination (own tenant only), get, delete, and TTL — on SQLite and on PostgreSQL, against the
+in-process api (and a real worker where matches are waited for)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 from app.core.config import Settings
 from app.core.redis import start_embedded_redis
 from tests.app.httpapi import Api, locs
-from tests.conftest import LiveServer, start_server
+from tests.conftest import InProcessServer, start_inprocess
 
 SHAPES = {
     "range-bbox": {"type": "range", "bbox": [-74.02, 40.70, -73.93, 40.80],
@@ -26,8 +27,8 @@ SHAPES = {
 
 
 @pytest.fixture
-def api(server: LiveServer) -> Iterator[Api]:
-    a = Api(server)
+def api(inprocess: InProcessServer) -> Iterator[Api]:
+    a = Api(inprocess)
     yield a
     a.close()
 
@@ -157,8 +158,8 @@ def run_crud(api: Api, other: Api) -> None:
     assert other.subscription_ids() == other_ids
 
 
-def test_list_get_delete(api: Api, server: LiveServer) -> None:
-    other = Api(server)
+def test_list_get_delete(api: Api, inprocess: InProcessServer) -> None:
+    other = Api(inprocess)
     try:
         run_crud(api, other)
     finally:
@@ -169,22 +170,22 @@ def test_crud_on_each_database(database_url: str, tmp_path: Path) -> None:
     """The same flow on SQLite and PostgreSQL (ids with NUL, huge cursors: 404 / 422, not
     a database error)."""
     redis_server = start_embedded_redis(Settings(data_dir=tmp_path / "own"))
-    s = start_server(tmp_path, redis_server.url, database_url, workers=1)
     try:
-        api, other = Api(s), Api(s)
-        for shape in SHAPES.values():
-            check_created(api.subscribe(shape), shape)
-        for sid in api.subscription_ids():
-            assert api.delete(f"/v1/subscriptions/{sid}").status_code == 204
-        run_crud(api, other)
-        api.close()
-        other.close()
+        with start_inprocess(tmp_path, redis_server.url, database_url) as s:
+            api, other = Api(s), Api(s)
+            for shape in SHAPES.values():
+                check_created(api.subscribe(shape), shape)
+            for sid in api.subscription_ids():
+                assert api.delete(f"/v1/subscriptions/{sid}").status_code == 204
+            run_crud(api, other)
+            api.close()
+            other.close()
     finally:
-        s.stop()
         redis_server.stop()
 
 
-def test_deleted_subscription_gets_no_new_matches(api: Api) -> None:
+def test_deleted_subscription_gets_no_new_matches(api: Api,
+                                                  inprocess_worker: InProcessServer) -> None:
     sub = api.subscribe({"type": "range", "bbox": [-180, -90, 180, 90]})
     keep = api.subscribe({"type": "range", "bbox": [-180, -90, 180, 90]})
     api.publish([{"id": "m-1", "lon": 10, "lat": 10}])

@@ -1,6 +1,6 @@
 """API.md, Errors and the validation rules of Objects and Subscriptions, over HTTP against the
-live server: 400 for malformed JSON, 422 naming the field (and the index in a batch) for invalid
-input, never a 500, and a rejected request changes nothing."""
+in-process api and a real worker: 400 for malformed JSON, 422 naming the field (and the index in
+a batch) for invalid input, never a 500, and a rejected request changes nothing."""
 
 from __future__ import annotations
 
@@ -9,24 +9,24 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
-import httpx
 import orjson
 import pytest
 
 from tests.app.httpapi import NDJSON, WORLD, Api, locs, names_field
-from tests.conftest import LiveServer
+from tests.conftest import InProcessServer
 
 
 @pytest.fixture
-def api(server: LiveServer) -> Iterator[Api]:
-    a = Api(server)
+def api(inprocess_worker: InProcessServer) -> Iterator[Api]:
+    """A fresh tenant; the worker matches the sentinels of `assert_only_sentinels`."""
+    a = Api(inprocess_worker)
     yield a
     a.close()
 
 
 @pytest.fixture
-def admin(server: LiveServer) -> Iterator[Api]:
-    a = Api(server, key=server.admin_key, tenant="admin")
+def admin(inprocess: InProcessServer) -> Iterator[Api]:
+    a = Api(inprocess, key=inprocess.admin_key, tenant="admin")
     yield a
     a.close()
 
@@ -400,8 +400,9 @@ def test_bad_matches_parameters_are_422(api: Api, params: dict[str, Any]) -> Non
 
 # --- the OpenAPI document --------------------------------------------------------------------
 
-def test_openapi_lists_every_implemented_path(server: LiveServer) -> None:
-    r = httpx.get(server.base_url + "/openapi.json", timeout=10)
+def test_openapi_lists_every_implemented_path(inprocess: InProcessServer) -> None:
+    with inprocess.http() as client:
+        r = client.get("/openapi.json")
     assert r.status_code == 200
     paths = r.json()["paths"]
     expected = {

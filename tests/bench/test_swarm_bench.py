@@ -188,6 +188,7 @@ def test_real_mode_report_and_history_sample(tmp_path: Path,
     assert "SWARM / uniform" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # starts `geoswarm bench` processes
 def test_cli_passes_help_to_the_benchmark() -> None:
     import subprocess
     import sys
