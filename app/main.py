@@ -229,11 +229,15 @@ def create_app(settings: Settings | None = None, redis_url: str | None = None) -
         try:
             yield
         finally:
+            # Every step is bounded: a stuck Redis or database must not hold the shutdown.
             expiry.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await expiry
+            with contextlib.suppress(asyncio.CancelledError, TimeoutError):
+                await asyncio.wait_for(expiry, 5)
             await state.hub.stop()
-            await client.aclose()
+            try:
+                await asyncio.wait_for(client.aclose(), 5)
+            except TimeoutError:
+                log.warning("shutdown: closing the Redis client timed out")
             engine.dispose()
             server = getattr(app.state, "embedded_redis", None)
             if server is not None:

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DETECT_NAMES = ("inside", "enter", "exit")
+SHUTDOWN_STEP_S = 5.0
 MAX_SEQ = 18446744073709551615
 
 
@@ -302,13 +303,14 @@ class Hub:
             conn.close_soon(1001, "server shutting down")
         if self._task is not None:
             self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._task
+            # bounded: a shutdown must not hang on a pub/sub read that ignores cancellation
+            with contextlib.suppress(asyncio.CancelledError, TimeoutError, Exception):
+                await asyncio.wait_for(self._task, SHUTDOWN_STEP_S)
 
     async def _listen_notifications(self) -> None:
         while True:
+            pubsub = self.redis.pubsub()
             try:
-                pubsub = self.redis.pubsub()
                 await pubsub.subscribe(names.NOTIFY_CHANNEL, names.REVOKED_CHANNEL,
                                        names.SUBS_CHANNEL, names.PLAN_CHANNEL)
                 # A reconnect may have missed notifications: wake everyone once.
@@ -323,6 +325,10 @@ class Hub:
             except (redis.exceptions.RedisError, OSError) as exc:
                 log.warning("hub: notification channel lost (%s); reconnecting", exc)
                 await asyncio.sleep(0.5)
+            finally:
+                # its own connection, outside the client's pool: close it (bounded)
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(asyncio.shield(pubsub.aclose()), SHUTDOWN_STEP_S)
 
     async def _on_message(self, channel: str, data: bytes) -> None:
         try:
