@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import redis
 
-from app.core.processes import wait_until_ok
+from app.core.processes import stop_processes, wait_until_ok
 from app.core.redis import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -74,15 +74,7 @@ class LiveServer:
         raise TimeoutError(f"{n} live workers did not appear")
 
     def stop(self) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in self.procs.values():
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_processes(self.procs.values())
 
 
 _next_db = iter(range(10**9))
@@ -95,15 +87,11 @@ def own_database(redis_url: str) -> str:
     return f"{base}/{1 + next(_next_db) % 15}"
 
 
-def start_server(tmp: Path, redis_url: str, database_url: str | None = None, workers: int = 2,
-                 api_processes: int = 1, **env_overrides: str) -> LiveServer:
-    redis_url = own_database(redis_url)
-    client = redis.Redis.from_url(redis_url)
-    client.flushdb()
-    client.close()
-    port = free_port()
-    env = dict(os.environ)
-    env.update({
+def cluster_env(tmp: Path, redis_url: str, database_url: str | None = None, workers: int = 2,
+                **env_overrides: str) -> dict[str, str]:
+    """The settings of a test or benchmark cluster: its Redis database, SQLite under `tmp`
+    unless `database_url`, the bootstrap admin key, workers w0..w<n-1>, 2 s rounds."""
+    return {
         "GEOSWARM_REDIS_URL": redis_url,
         "GEOSWARM_DATA_DIR": str(tmp),
         "GEOSWARM_DATABASE_URL": database_url or f"sqlite:///{tmp / 'geoswarm.db'}",
@@ -111,8 +99,18 @@ def start_server(tmp: Path, redis_url: str, database_url: str | None = None, wor
         "GEOSWARM_ENVIRONMENT": "test",
         "GEOSWARM_WORKERS": ",".join(f"w{i}" for i in range(workers)),
         "GEOSWARM_BALANCE_PERIOD_S": "2",
-    })
-    env.update(env_overrides)
+        **env_overrides,
+    }
+
+
+def start_server(tmp: Path, redis_url: str, database_url: str | None = None, workers: int = 2,
+                 api_processes: int = 1, **env_overrides: str) -> LiveServer:
+    redis_url = own_database(redis_url)
+    client = redis.Redis.from_url(redis_url)
+    client.flushdb()
+    client.close()
+    port = free_port()
+    env = {**os.environ, **cluster_env(tmp, redis_url, database_url, workers, **env_overrides)}
     server = LiveServer(base_url=f"http://127.0.0.1:{port}", ws_url=f"ws://127.0.0.1:{port}",
                         redis_url=redis_url, env=env, log_dir=tmp)
     subprocess.run([sys.executable, "-m", "app.cli", "migrate"], env=env, cwd=ROOT, check=True,

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import secrets
-import signal
 import socket
 import subprocess
 import sys
@@ -24,6 +23,7 @@ from fastapi import FastAPI
 
 from app.core.config import Settings, get_settings
 from app.core.migrate import upgrade_head
+from app.core.processes import stop_processes
 from app.core.redis import EmbeddedRedis, async_client, start_embedded_redis
 from app.main import create_app
 from app.pipeline import names
@@ -32,6 +32,7 @@ from bench.cluster import (  # noqa: F401 - re-exported
     BOOTSTRAP,
     ROOT,
     LiveServer,
+    cluster_env,
     own_database,
     start_server,
 )
@@ -203,15 +204,7 @@ class InProcessServer:
             client.close()
 
     def stop_workers(self) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in self.procs.values():
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_processes(self.procs.values())
 
 
 Server = LiveServer | InProcessServer
@@ -249,16 +242,7 @@ def start_inprocess(tmp: Path, redis_url: str, database_url: str | None = None,
     client = redis.Redis.from_url(redis_url)
     client.flushdb()
     client.close()
-    env = {
-        "GEOSWARM_REDIS_URL": redis_url,
-        "GEOSWARM_DATA_DIR": str(tmp),
-        "GEOSWARM_DATABASE_URL": database_url or f"sqlite:///{tmp / 'geoswarm.db'}",
-        "GEOSWARM_BOOTSTRAP_ADMIN_KEY": BOOTSTRAP,
-        "GEOSWARM_ENVIRONMENT": "test",
-        "GEOSWARM_WORKERS": "w0",
-        "GEOSWARM_BALANCE_PERIOD_S": "2",
-        **env_overrides,
-    }
+    env = cluster_env(tmp, redis_url, database_url, workers=1, **env_overrides)
     # An api process reads its settings from the environment once (get_settings is cached):
     # read them under this app's environment, and leave no cached copy for the next one.
     with pytest.MonkeyPatch.context() as mp:

@@ -3,11 +3,27 @@ and tests' clusters): wait until a started server answers."""
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import time
+from collections.abc import Iterable
 from typing import Any
 
 import httpx
+
+
+def stop_processes(procs: Iterable[subprocess.Popen[Any]], grace_s: float = 10.0) -> None:
+    """SIGTERM to each (a warm stop), then SIGKILL to any still running after `grace_s`."""
+    procs = list(procs)
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    for proc in procs:
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def wait_until_ok(url: str, process: subprocess.Popen[Any] | None = None,

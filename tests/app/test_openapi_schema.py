@@ -43,7 +43,7 @@ from app.core.migrate import upgrade_head
 from app.core.redis import EmbeddedRedis
 from app.main import create_app
 from app.services.subscriptions import encode_cursor
-from bench.cluster import BOOTSTRAP, ROOT, own_database
+from bench.cluster import BOOTSTRAP, ROOT, cluster_env, own_database
 
 # It starts a real worker and coordinator process beside the in-process app.
 pytestmark = pytest.mark.slow
@@ -195,14 +195,7 @@ def live(tmp_path_factory: pytest.TempPathFactory, embedded_redis: EmbeddedRedis
     client = redis.Redis.from_url(redis_url)
     client.flushdb()
     client.close()
-    env = {
-        "GEOSWARM_REDIS_URL": redis_url,
-        "GEOSWARM_DATA_DIR": str(tmp),
-        "GEOSWARM_DATABASE_URL": f"sqlite:///{tmp / 'geoswarm.db'}",
-        "GEOSWARM_BOOTSTRAP_ADMIN_KEY": BOOTSTRAP,
-        "GEOSWARM_ENVIRONMENT": "test",
-        "GEOSWARM_WORKERS": "w0",
-    }
+    env = cluster_env(tmp, redis_url, workers=1, GEOSWARM_BALANCE_PERIOD_S="15")
     procs: list[subprocess.Popen[bytes]] = []
     with pytest.MonkeyPatch.context() as mp:
         for name, value in env.items():
