@@ -75,6 +75,11 @@ def cell_counts(cx: Any, cy: Any, nx: int) -> tuple[I32, I32, I32]:
             counts.astype(np.int32))
 
 
+def rects_overlapping(rects: I64, x0: int, y0: int, x1: int, y1: int) -> Mask:
+    """Which rows of `rects` (x0, y0, x1, y1 cell ranges) overlap the given cell range."""
+    return (rects[:, 0] <= x1) & (rects[:, 2] >= x0) & (rects[:, 1] <= y1) & (rects[:, 3] >= y0)
+
+
 def rect_of(grid: Grid, spec: dict[str, Any]) -> Rect:
     """The cells a subscription covers for the statistics: its range; every cell for keyword
     subscriptions (they are evaluated against every object); the centre cell for kNN."""
@@ -120,8 +125,7 @@ class SwarmLedger:
             self.sub_rect[sid] = (r[0], r[1], r[2], r[3])
         for stats in self.stats.values():
             p = stats.partition
-            m = ((rects[:, 0] <= p.x1) & (rects[:, 2] >= p.x0)
-                 & (rects[:, 1] <= p.y1) & (rects[:, 3] >= p.y0))
+            m = rects_overlapping(rects, p.x0, p.y0, p.x1, p.y1)
             if m.any():
                 r = rects[m]
                 stats.add_queries(r[:, 0], r[:, 1], r[:, 2], r[:, 3])

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -189,7 +189,7 @@ def render_entries(sub_id: str, parsed: list[Parsed], records: dict[bytes, dict[
 
 
 def render_matches(sub_json: bytes, eid: str, refs: wire.MatchRefs,
-                   recs: dict[str, bytes | None], after: int = -1) -> list[bytes]:
+                   recs: Mapping[str, bytes | None], after: int = -1) -> list[bytes]:
     """The match messages of one history entry, skipping indexes up to `after`."""
     rids, codes = refs.record_ids, refs.detect
     lines = []
@@ -376,7 +376,7 @@ class Hub:
         connection whose position is exactly there gets the entry from memory; any other
         reads the history stream (its pump), so nothing is skipped or sent twice."""
         tenant = note.tenant
-        records: dict[str, bytes | None] = dict(note.records)
+        records = note.records
         all_conns = self.all_by_tenant.get(tenant, ())
         limit = self.settings.ws_queue_max
         for sub, prev_id, eid, packed in note.entries:

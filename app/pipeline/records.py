@@ -51,21 +51,16 @@ class RecordBatch:
     size: int
 
 
-def object_batch(batch: RecordBatch, rows: list[int], record_ids: list[str],
+def object_batch(batch: RecordBatch, record_ids: list[str],
                  prev: list[tuple[float, float] | None], late: list[bool],
-                 exit_only: list[bool], decide_exit: list[bool], sent_at: float,
-                 plan_version: int) -> ObjectBatch:
-    """The stream entry for one worker: the rows it must evaluate, with their previous
-    positions (for detect) and whether it only decides `exit` for them."""
+                 decide_exit: list[bool], sent_at: float, plan_version: int) -> ObjectBatch:
+    """The whole batch as a stream entry, with each record's previous position (for detect)
+    and whether its receiver decides `exit`; each worker gets `take(its rows)`."""
     return ObjectBatch(
-        tenant=batch.tenant, sent_at=sent_at, plan_version=plan_version,
-        ids=[batch.ids[i] for i in rows], record_ids=[record_ids[i] for i in rows],
-        moving=[batch.moving[i] for i in rows], lon=[batch.lon[i] for i in rows],
-        lat=[batch.lat[i] for i in rows], ts=[batch.ts[i] for i in rows],
-        keywords=[batch.keywords[i] for i in rows], text=[batch.text[i] for i in rows],
-        props=[batch.props[i] for i in rows], prev=[prev[i] for i in rows],
-        late=[late[i] for i in rows], exit_only=[exit_only[i] for i in rows],
-        decide_exit=[decide_exit[i] for i in rows])
+        tenant=batch.tenant, sent_at=sent_at, plan_version=plan_version, ids=batch.ids,
+        record_ids=record_ids, moving=batch.moving, lon=batch.lon, lat=batch.lat, ts=batch.ts,
+        keywords=batch.keywords, text=batch.text, props=batch.props, prev=prev, late=late,
+        exit_only=[False] * batch.size, decide_exit=decide_exit)
 
 
 def public_record(object_id: str, lon: float, lat: float, ts: float, keywords: list[str],

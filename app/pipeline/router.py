@@ -157,7 +157,6 @@ class Router:
                     prev[i] = (plon, plat)
                 late[i] = not is_latest
         rows_by_worker: dict[int, list[int]] = {}
-        exit_only = [False] * n
         decide_exit = [False] * n
         extra: list[tuple[int, int]] = []  # (worker, row) exit-only copies
         if self.replicated:
@@ -172,21 +171,19 @@ class Router:
         else:
             self._route_by_partition(index, batch, prev, late, moving_rows, rows_by_worker,
                                      decide_exit, extra)
-        sent_at = time.time()
+        whole = records.object_batch(batch, rids, prev, late, decide_exit, time.time(),
+                                     index.version)
         pipe = self.redis.pipeline(transaction=True)
         for w, rows in rows_by_worker.items():
-            entry = records.object_batch(batch, rows, rids, prev, late, exit_only, decide_exit,
-                                         sent_at, index.version)
+            entry = whole.take(rows)
             pipe.xadd(names.worker_stream(index.workers[w]), {b"m": wire.encode_entry(entry)})
-        if extra:
-            by_w: dict[int, list[int]] = {}
-            for w, i in extra:
-                by_w.setdefault(w, []).append(i)
-            xo_true = [True] * n
-            for w, rows in by_w.items():
-                entry = records.object_batch(batch, rows, rids, prev, late, xo_true, xo_true,
-                                             sent_at, index.version)
-                pipe.xadd(names.worker_stream(index.workers[w]), {b"m": wire.encode_entry(entry)})
+        by_w: dict[int, list[int]] = {}
+        for w, i in extra:
+            by_w.setdefault(w, []).append(i)
+        for w, rows in by_w.items():  # exit-only copies: the receiver only decides `exit`
+            entry = whole.take(rows)
+            entry.exit_only = entry.decide_exit = [True] * len(rows)
+            pipe.xadd(names.worker_stream(index.workers[w]), {b"m": wire.encode_entry(entry)})
         await pipe.execute()
 
     @staticmethod

@@ -24,7 +24,7 @@ from app.geo.history import history_plan
 from app.geo.index import GlobalIndex, Plan, initial_plan
 from bench.swarm.report import plot_simulation, print_report, summarise, weighted_percentile
 from bench.swarm.workload import MERGE_EVERY, MODES, US_BOUNDS, Mode, Workload, make_workload
-from workers.ledger import SwarmLedger
+from workers.ledger import SwarmLedger, rects_overlapping
 
 F64 = npt.NDArray[np.float64]
 I64 = npt.NDArray[np.int64]
@@ -51,10 +51,6 @@ class CoverCount:
         if self._q is None:
             self._q = self.diff.cumsum(0).cumsum(1)[:-1, :-1]
         return self._q
-
-
-def _overlaps(rects: I64, x0: int, y0: int, x1: int, y1: int) -> npt.NDArray[np.bool_]:
-    return (rects[:, 0] <= x1) & (rects[:, 2] >= x0) & (rects[:, 1] <= y1) & (rects[:, 3] >= y0)
 
 
 # -- the executor model ------------------------------------------------------------------------
@@ -180,7 +176,7 @@ class Simulation:
         if self.mode == "replicated":
             return np.full(cx.size, float(self.live.sum()))
         live = self.wl.rects[self.live]
-        per_part = np.array([_overlaps(live, p.x0, p.y0, p.x1, p.y1).sum()
+        per_part = np.array([rects_overlapping(live, p.x0, p.y0, p.x1, p.y1).sum()
                              for p in self.plan.partitions], dtype=np.float64)
         return per_part[self.index.cell_part[cy, cx]]
 
@@ -247,7 +243,7 @@ class Simulation:
             need = np.zeros(self.live.size, dtype=bool)
             for p in self.plan.partitions:
                 if p.worker == w:
-                    need |= _overlaps(rects, p.x0, p.y0, p.x1, p.y1)
+                    need |= rects_overlapping(rects, p.x0, p.y0, p.x1, p.y1)
             need &= self.live
             if w == ml:
                 new = int((need & ~self.held[:, wi]).sum())
@@ -282,7 +278,7 @@ class Simulation:
             else:  # the workers whose partitions each one overlaps (as targets_for_spec)
                 hold = np.zeros((new.size, n_w), dtype=bool)
                 for p in self.plan.partitions:
-                    m = _overlaps(wl.rects[new], p.x0, p.y0, p.x1, p.y1)
+                    m = rects_overlapping(wl.rects[new], p.x0, p.y0, p.x1, p.y1)
                     hold[m, self.widx[p.worker]] = True
             self.held[new] |= hold
             copies = hold[charged].sum(axis=0)
