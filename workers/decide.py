@@ -1,6 +1,7 @@
 """The matching decision of an executor (Tornado §3.2, CheetahGIS's moving objects): a batch
-of records and a tenant's subscription index in, the (subscription, record, inside | enter |
-exit) matches out, for the whole batch at once with numpy. Pure: no Redis, no clock.
+of records and a tenant's subscriptions (their table and an index) in, the (subscription,
+record, inside | enter | exit) matches out, for the whole batch at once with numpy. Pure: no
+Redis, no clock.
 
 A moving object's record carries its previous position: matching both positions tells
 `enter` (inside now, not before) and `exit` (inside before, not now); a late record (older
@@ -9,58 +10,25 @@ than the object's latest) changes no position and only ever matches `inside`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import numpy as np
 
-from app.geo.matcher import SubscriptionIndex
+from app.geo.matcher import MatchResult
 from app.pipeline.wire import ObjectBatch
+from workers.subs import SubTable
 
 I64 = np.ndarray[Any, np.dtype[np.int64]]
 
 
-@dataclass
-class SubInfo:
-    id: str
-    detect: frozenset[str]
-    expires_at: float | None
+class Matcher(Protocol):
+    """What `decide` asks of a subscription index: every (object index, sub key) pair of
+    a subscription that contains the point, each once (`SubscriptionIndex`,
+    `workers.subs.TenantSubs`)."""
 
-
-DETECT_BITS = {"inside": 1, "enter": 2, "exit": 4}
-
-
-@dataclass
-class TenantIndex:
-    """A tenant's subscriptions on this worker: objects only ever meet their own tenant's.
-    Per-key arrays (detect bits, expiry) let the decisions be taken for a batch at once."""
-
-    index: SubscriptionIndex
-    subs: dict[int, SubInfo] = field(default_factory=dict)
-    key_of: dict[str, int] = field(default_factory=dict)
-    detect: np.ndarray[Any, np.dtype[np.uint8]] = field(
-        default_factory=lambda: np.zeros(1024, dtype=np.uint8))
-    expires: np.ndarray[Any, np.dtype[np.float64]] = field(
-        default_factory=lambda: np.full(1024, np.inf))
-    ids: np.ndarray[Any, np.dtype[np.object_]] = field(
-        default_factory=lambda: np.empty(1024, dtype=object))
-
-    def put(self, key: int, info: SubInfo) -> None:
-        if key >= self.detect.size:
-            n = max(key + 1, 2 * self.detect.size)
-            self.detect = np.resize(self.detect, n)
-            self.expires = np.resize(self.expires, n)
-            self.ids = np.resize(self.ids, n)
-        self.subs[key] = info
-        self.key_of[info.id] = key
-        self.detect[key] = sum(DETECT_BITS[d] for d in info.detect)
-        self.expires[key] = np.inf if info.expires_at is None else info.expires_at
-        self.ids[key] = info.id
-
-    def drop(self, key: int) -> None:
-        info = self.subs.pop(key)
-        del self.key_of[info.id]
-        self.detect[key] = 0
+    def match(self, lon: Any, lat: Any, keywords: Sequence[Sequence[str]]) -> MatchResult: ...
 
 
 @dataclass
@@ -79,12 +47,13 @@ def known(p: tuple[float, float] | None) -> tuple[float, float]:
     return p
 
 
-def decide(t: TenantIndex, batch: ObjectBatch, at: list[float]) -> Matches:
-    """inside / enter / exit for every (record, subscription) of the batch, vectorised."""
+def decide(t: SubTable, index: Matcher, batch: ObjectBatch, at: list[float]) -> Matches:
+    """inside / enter / exit for every (record, subscription) of the batch, vectorised: `t`
+    holds the subscriptions' detect bits and expiry by key, `index` finds them."""
     lon = np.asarray(batch.lon, dtype=np.float64)
     lat = np.asarray(batch.lat, dtype=np.float64)
     kws = batch.keywords
-    o_new, k_new = t.index.match(lon, lat, kws)
+    o_new, k_new = index.match(lon, lat, kws)
     xo = np.asarray(batch.exit_only, dtype=bool)
     mv = np.asarray(batch.moving, dtype=bool)
     late = np.asarray(batch.late, dtype=bool)
@@ -99,7 +68,7 @@ def decide(t: TenantIndex, batch: ObjectBatch, at: list[float]) -> Matches:
         prev = [known(batch.prev[i]) for i in pr.tolist()]
         plon = np.asarray([p[0] for p in prev], dtype=np.float64)
         plat = np.asarray([p[1] for p in prev], dtype=np.float64)
-        o_p, k_prev = t.index.match(plon, plat, [kws[i] for i in pr.tolist()])
+        o_p, k_prev = index.match(plon, plat, [kws[i] for i in pr.tolist()])
         o_prev = pr[o_p]
     else:
         o_prev = k_prev = np.empty(0, dtype=np.int64)

@@ -23,7 +23,6 @@ from app.core.config import Settings
 from app.core.db import make_engine, make_sessionmaker
 from app.geo import balance
 from app.geo.index import GlobalIndex, Partition
-from app.geo.matcher import SubscriptionIndex, sub_from_spec
 from app.pipeline import cluster, names, records, wire
 from app.pipeline.control import PLAN_CAS_SCRIPT
 from app.pipeline.records import public_record
@@ -34,10 +33,11 @@ from app.pipeline.router import (
     targets_for_spec,
 )
 from app.services.subscriptions import all_live
-from workers.decide import Matches, SubInfo, TenantIndex, decide
+from workers.decide import Matches, decide
 from workers.knn import MERGE_SCRIPT, KnnState, KnnSub, knn_sub
 from workers.ledger import SwarmLedger, rect_of
 from workers.migration import CommandRefused, Migration
+from workers.subs import LocalSubs
 
 log = logging.getLogger(__name__)
 
@@ -72,8 +72,6 @@ class Executor:
         self.redis: Any = redis.Redis.from_url(redis_url, socket_timeout=30,
                                                socket_connect_timeout=5)
         self.stream = names.worker_stream(worker_id)
-        self.tenants: dict[str, TenantIndex] = {}
-        self.key_seq = 0
         self.index: GlobalIndex | None = None
         self.stopping = 0
         self.received = 0
@@ -90,6 +88,7 @@ class Executor:
         self.replicated = settings.partitioning == "replicated"
         self.plan_cas = self.redis.register_script(PLAN_CAS_SCRIPT)
         self.ledger = SwarmLedger(grid_of(settings))
+        self.subs = LocalSubs(grid_of(settings), self.replicated)
         self.migration = Migration(self)
         self.sub_msgs: dict[str, wire.SubscriptionCopy] = {}  # what the handoffs carry
         self.tombstones: dict[str, float] = {}
@@ -145,9 +144,15 @@ class Executor:
             plan = cluster.read_plan(self.redis)
             if plan is not None:
                 if self.index is None or plan.version > self.index.plan.version:
-                    self.index = GlobalIndex(plan)
+                    self.set_index(GlobalIndex(plan))
                 return
             time.sleep(0.2)
+
+    def set_index(self, index: GlobalIndex) -> None:
+        """A newer plan: the subscriptions are indexed for the partitions it gives us (the
+        statistics follow in `sync_stats`, where the protocol says)."""
+        self.index = index
+        self.subs.sync(index, self.owned())
 
     @property
     def version(self) -> int:
@@ -219,7 +224,7 @@ class Executor:
             "id": self.id, "pid": os.getpid(), "host": socket.gethostname(),
             "heartbeat": time.time(), "started": self.started, "received": self.received,
             "matched": self.matched,
-            "subscriptions": sum(len(t.subs) for t in self.tenants.values()),
+            "subscriptions": len(self.subs) + sum(len(s.subs) for s in self.knn.values()),
             "plan_version": self.index.plan.version if self.index else None,
             "partitions": self.owned_ids, "forwarded": self.forwarded, "folds": self.ledger.folds,
         }
@@ -433,16 +438,7 @@ class Executor:
                     sub = state.add(knn_sub(m.id, spec))
                     self.merge_knn(m.tenant, [sub], pipe if pipe is not None else self.redis)
                 continue
-            t = self.tenants.get(m.tenant)
-            if t is None:
-                t = self.tenants[m.tenant] = TenantIndex(SubscriptionIndex(self.index.grid))
-            if m.id in t.key_of:
-                continue
-            self.key_seq += 1
-            key = self.key_seq
-            t.index.add(sub_from_spec(key, spec))
-            t.put(key, SubInfo(m.id, frozenset(spec.get("detect") or ("inside",)),
-                               m.expires_at))
+            self.subs.add(m.tenant, m.id, spec, m.expires_at)
 
     def handle_subs_removed(self, ids: list[str]) -> None:
         now = time.time()
@@ -454,12 +450,8 @@ class Executor:
             for sid in ids:
                 if state.subs.pop(sid, None) is not None:
                     self.redis.delete(names.knn_key(sid))
-        for t in self.tenants.values():
-            for sid in ids:
-                key = t.key_of.get(sid)
-                if key is not None:
-                    t.index.remove(key)
-                    t.drop(key)
+        for sid in ids:
+            self.subs.remove(sid)
 
     # --- objects -------------------------------------------------------------------------
     def _match_group(self, group: list[wire.ObjectBatch], pipe: Any,
@@ -473,10 +465,10 @@ class Executor:
         if changed:
             self.merge_knn(tenant, changed, pipe)
             notify.setdefault(tenant, set()).update(s.id for s in changed)
-        t = self.tenants.get(tenant)
-        if t is None or not t.subs:
+        subs = self.subs.indexed(tenant)
+        if subs is None:
             return
-        matches = decide(t, batch, at)
+        matches = decide(subs.table, subs, batch, at)
         if not matches.rows.size:
             return
         self.write_matches(batch, matches, pipe)
@@ -496,8 +488,7 @@ class Executor:
         keys, starts = np.unique(m.keys, return_index=True)
         ends = np.append(starts[1:], m.keys.size)
         rid_arr = np.asarray(batch.record_ids, dtype=object)[m.rows]
-        t = self.tenants[tenant]
-        sub_ids = t.ids[keys].tolist()
+        sub_ids = self.subs.tables[tenant].ids[keys].tolist()
         refs = [wire.encode_refs(wire.MatchRefs(rid_arr[a:b].tolist(), m.detect[a:b].tobytes()))
                 for a, b in zip(starts.tolist(), ends.tolist(), strict=True)]
         self.pending_history.append((tenant, bucket, sub_ids, refs, records))

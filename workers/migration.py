@@ -192,7 +192,7 @@ class Migration:
                                    names.PLAN_CHANNEL, handoffs)
         if not ex.plan_cas(keys=keys, args=args):
             raise CommandRefused(f"the plan is no longer version {old.version}")
-        ex.index = GlobalIndex(new_plan)
+        ex.set_index(GlobalIndex(new_plan))
         if given:
             ledger.drop_window(taken)
         ex.sync_stats()

@@ -330,7 +330,8 @@ class SubscriptionIndex:
     )
 
     def __init__(
-        self, grid: Grid, *, rebuild_min: int = 2048, rebuild_fraction: float = 0.05
+        self, grid: Grid, *, rebuild_min: int = 2048, rebuild_fraction: float = 0.05,
+        capacity: int = 1024,
     ) -> None:
         self.grid = grid
         self.rebuild_min = rebuild_min
@@ -339,10 +340,10 @@ class SubscriptionIndex:
         self._vocab: dict[str, int] = {}
         self._cap = 0
         self._n = 0  # slots used (live or dead)
-        self._alloc(1024)
-        self._kw_pool = np.empty(1024, dtype=np.int32)
+        self._alloc(max(capacity, 1))  # slots; grown by doubling
+        self._kw_pool = np.empty(max(capacity, 1), dtype=np.int32)
         self._kw_used = 0
-        self._key_to_slot = np.full(1024, -1, dtype=np.int32)
+        self._key_to_slot = np.full(max(capacity, 1), -1, dtype=np.int32)
         self._live = 0
         empty = np.empty(0, dtype=np.int64)
         self._main = [_Csr(empty, empty.astype(np.int32)) for _ in range(_N_BUCKETS)]
