@@ -121,8 +121,12 @@ def _number(v: object) -> float | None:
     return f if math.isfinite(f) else None
 
 
-def _reply_ok(reply: dict[str, Any]) -> bool:
-    return reply.get("ok") is not False and "error" not in reply
+def _recorded(reply: wire.CommandReply | None) -> dict[str, Any]:
+    """A worker's reply as the round's record keeps it (JSON)."""
+    if reply is None:
+        reply = wire.CommandReply(ok=False, error="timeout")
+    out: dict[str, Any] = msgspec.to_builtins(reply)
+    return out
 
 
 class Coordinator:
@@ -314,9 +318,9 @@ class Coordinator:
         if entry is None:
             raise self.refused()
 
-    def wait_reply(self, token: str, timeout: float) -> dict[str, Any] | None:
-        """The worker's JSON reply, or None after `timeout` s (short BLPOPs: the lease is
-        checked in between)."""
+    def wait_reply(self, token: str, timeout: float) -> wire.CommandReply | None:
+        """The worker's reply, or None after `timeout` s (short BLPOPs: the lease is checked
+        in between)."""
         deadline = time.monotonic() + timeout
         while True:
             if self.stop.is_set():  # warm stop: a short grace for the answer, not the timeout
@@ -327,13 +331,12 @@ class Coordinator:
             item = self.redis.blpop([names.reply_key(token)],
                                     timeout=max(0.01, min(0.5, remaining)))
             if item is not None:
-                reply = _loads(item[1])
-                return reply if isinstance(reply, dict) else {"ok": False,
-                                                               "error": "unreadable reply"}
+                reply = wire.decode_list_message(item[1], wire.CommandReply)
+                return reply or wire.CommandReply(ok=False, error="unreadable reply")
             self.check()
 
     def command(self, worker: str, msg: wire.Command, cfg: BalancerConfig
-                ) -> dict[str, Any] | None:
+                ) -> wire.CommandReply | None:
         """Send a command that wants a reply; its deadline and reply token are added here."""
         token = secrets.token_hex(8)
         msg = msgspec.structs.replace(msg, deadline=time.time() + cfg.report_timeout_s,
@@ -447,11 +450,9 @@ class Coordinator:
             reply = self.command(mh, wire.ReduceCommand(
                 round=rec.round, to=ml, cost_ml=costs[ml], r_s=r_s, ids=ids,
                 plan_version=plan.version), cfg)
-            attempts.append({"mh": mh, "ids": ids,
-                             "reply": reply or {"ok": False, "error": "timeout"}})
-            if reply is not None and _reply_ok(reply) and reply.get("action") in ("move",
-                                                                                   "split"):
-                rec.mh, rec.action = mh, str(reply["action"])
+            attempts.append({"mh": mh, "ids": ids, "reply": _recorded(reply)})
+            if reply is not None and reply.ok and reply.action in ("move", "split"):
+                rec.mh, rec.action = mh, reply.action
                 return
 
     def merge(self, rec: RoundRecord, cfg: BalancerConfig) -> None:
@@ -471,9 +472,8 @@ class Coordinator:
                 continue
             ids = self.new_ids(plan, len(mine) - 1)
             reply = self.command(w, wire.MergeCommand(ids=ids, plan_version=plan.version), cfg)
-            merges.append({"worker": w, "ids": ids,
-                           "reply": reply or {"ok": False, "error": "timeout"}})
-            if reply is not None and _reply_ok(reply) and reply.get("action") != "none":
+            merges.append({"worker": w, "ids": ids, "reply": _recorded(reply)})
+            if reply is not None and reply.ok and reply.action != "none":
                 rec.action = "merge"
         if merges:
             rec.details["merges"] = merges
@@ -487,10 +487,19 @@ class Coordinator:
 
     # --- admin requests (control.py: REQUESTS_KEY) ------------------------------------------
     def handle_request(self, raw: bytes, cfg: BalancerConfig) -> None:
-        req = _loads(raw)
-        token = req.get("id") if isinstance(req, dict) else None
-        if not isinstance(req, dict) or not isinstance(token, str) or not token:
-            log.warning("dropping an unreadable admin request: %r", raw)
+        try:
+            req = msgspec.json.decode(raw, type=wire.AdminRequest)
+        except msgspec.DecodeError as exc:
+            # A request that names its reply list is answered, with what is wrong in it.
+            loose = _loads(raw)
+            token = loose.get("id") if isinstance(loose, dict) else None
+            if isinstance(token, str) and token:
+                self.reply(token, wire.AdminReply(status=422, error=f"invalid request: {exc}"))
+            else:
+                log.warning("dropping an unreadable admin request: %r", raw)
+            return
+        if not req.id:
+            log.warning("dropping an admin request without a reply token: %r", raw)
             return
         if not self.lease.held() or self.lease.term != self.term:
             self.redis.lpush(names.REQUESTS_KEY, raw)  # for the next leader
@@ -498,61 +507,67 @@ class Coordinator:
         try:
             reply = self.serve(req, cfg)
         except LostLease:
-            self.reply(token, {"status": 503, "error": "the coordinator lost its lease; retry"})
+            self.reply(req.id, wire.AdminReply(status=503, error="the coordinator lost its "
+                                                                 "lease; retry"))
             raise
         except Exception as exc:
             try:  # the API is waiting: answer before the error ends this turn (or the process)
-                self.reply(token, {"status": 503, "error": f"coordinator error: {exc}"})
+                self.reply(req.id, wire.AdminReply(status=503,
+                                                   error=f"coordinator error: {exc}"))
             except redis.RedisError:
                 pass
             raise
-        self.reply(token, reply)
+        self.reply(req.id, reply)
 
-    def reply(self, token: str, body: dict[str, Any]) -> None:
+    def reply(self, token: str, body: wire.AdminReply) -> None:
         pipe = self.redis.pipeline(transaction=True)
-        pipe.rpush(names.reply_key(token), orjson.dumps(body))
+        pipe.rpush(names.reply_key(token), wire.encode_json(body))
         pipe.expire(names.reply_key(token), REPLY_TTL_S)
         pipe.execute()
 
-    def serve(self, req: dict[str, Any], cfg: BalancerConfig) -> dict[str, Any]:
-        kind = req.get("kind")
+    def serve(self, req: wire.AdminRequest, cfg: BalancerConfig) -> wire.AdminReply:
+        kind = req.kind
         if kind == "round":
             rec = self.run_round("manual", cfg)
-            return {"status": 202, "round": rec.round, "action": rec.action,
-                    "details": rec.details}
+            return wire.AdminReply(status=202, round=rec.round, action=rec.action,
+                                   details=rec.details)
         if kind not in ("move", "split"):
-            return {"status": 422, "error": f"unknown request kind {kind!r}"}
+            return wire.AdminReply(status=422, error=f"unknown request kind {kind!r}")
         if self.settings.partitioning == "replicated":
-            return {"status": 409, "error": "partitions cannot be moved or split with "
-                                            "partitioning=replicated"}
+            return wire.AdminReply(status=409, error="partitions cannot be moved or split with "
+                                                     "partitioning=replicated")
         plan = self.plan()
-        pid = req.get("partition")
+        pid = req.partition
         part = next((p for p in plan.partitions if p.id == pid), None) if plan else None
         if plan is None or part is None:
-            return {"status": 404, "error": f"partition {pid} not found"}
+            return wire.AdminReply(status=404, error=f"partition {pid} not found")
         live = self.live_workers()
         owner = part.worker
         if kind == "move":
-            to = req.get("to")
-            if not isinstance(to, str) or to not in live:
-                return {"status": 404, "error": f"worker {to} not found or not alive"}
+            to = req.to
+            if to is None or to not in live:
+                return wire.AdminReply(status=404, error=f"worker {to} not found or not alive")
             if to == owner:
-                return {"status": 409, "error": f"partition {pid} already belongs to {to}"}
+                return wire.AdminReply(status=409,
+                                       error=f"partition {pid} already belongs to {to}")
         else:
-            error = _split_error(part, req.get("axis"), req.get("at"))
+            error = _split_error(part, req.axis, req.at)
             if error:
-                return {"status": 422, "error": error}
+                return wire.AdminReply(status=422, error=error)
         if owner not in live:
-            return {"status": 503, "error": f"worker {owner} (owner of {pid}) is not alive"}
+            return wire.AdminReply(status=503,
+                                   error=f"worker {owner} (owner of {pid}) is not alive")
         started = time.time()
         t0 = time.monotonic()
         n = self.next_round()
         if kind == "move":
+            assert req.to is not None
             msg: wire.MoveCommand | wire.SplitCommand = wire.MoveCommand(
-                partitions=[part.id], to=req["to"], ids=self.new_ids(plan, 1),
+                partitions=[part.id], to=req.to, ids=self.new_ids(plan, 1),
                 plan_version=plan.version)
         else:
-            msg = wire.SplitCommand(partition=part.id, axis=req["axis"], at=req["at"],
+            assert req.axis is not None and req.at is not None
+            msg = wire.SplitCommand(partition=part.id, axis=req.axis, at=req.at,
                                     moved=None, to=owner, ids=self.new_ids(plan, 2),
                                     plan_version=plan.version)
         reply = self.command(owner, msg, cfg)
@@ -561,19 +576,18 @@ class Coordinator:
                           r_s=float(self.state.get("r_s") or 0.0),
                           costs=dict(self.state.get("costs") or {}), mh=owner,
                           ml=msg.to if kind == "move" else None,
-                          details={"leader": self.id, "request": req,
+                          details={"leader": self.id, "request": msgspec.to_builtins(req),
                                    "command": {k: v for k, v in msgspec.to_builtins(msg).items()
                                                if k not in ("reply", "deadline")},
-                                   "reply": reply})
+                                   "reply": _recorded(reply)})
         if reply is None:
-            out = {"status": 503,
-                   "error": f"worker {owner} did not answer within {cfg.reply_timeout_s:g} s"}
-        elif _reply_ok(reply):
-            rec.action = str(reply.get("action", kind))
-            out = {"status": 202, "round": n, "action": rec.action,
-                   "details": reply.get("details")}
+            out = wire.AdminReply(status=503, error=f"worker {owner} did not answer within "
+                                                    f"{cfg.reply_timeout_s:g} s")
+        elif reply.ok:
+            rec.action = reply.action
+            out = wire.AdminReply(status=202, round=n, action=rec.action, details=reply.details)
         else:
-            out = {"status": 409, "error": str(reply.get("error", "refused"))}
+            out = wire.AdminReply(status=409, error=reply.error or "refused")
         self.check()
         rec.plan_version = self.plan_version()
         rec.duration_ms = (time.monotonic() - t0) * 1000
@@ -581,7 +595,7 @@ class Coordinator:
         self.save_state()
         self.record(rec)
         log.info("round %d (manual %s %s): status %s action=%s plan v%s, %.0f ms", n, kind,
-                 pid, out["status"], rec.action, rec.plan_version, rec.duration_ms)
+                 pid, out.status, rec.action, rec.plan_version, rec.duration_ms)
         return out
 
 

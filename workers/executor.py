@@ -559,21 +559,21 @@ class Executor:
             log.error("worker %s: undecodable command %s: %s", self.id, eid, exc)
             self.redis.xack(self.cmd_stream, names.GROUP, eid)
             return
-        reply: dict[str, Any] | None = None
+        reply: wire.CommandReply | None = None
         try:
             if isinstance(cmd, wire.RoundCommand):
                 self._report(cmd.round)
             else:
-                reply = {"ok": True, **self.migration.command(cmd)}
+                reply = self.migration.command(cmd)
         except CommandRefused as exc:
-            reply = {"ok": False, "action": "none", "error": str(exc)}
+            reply = wire.CommandReply(ok=False, error=str(exc))
         except (KeyError, ValueError, TypeError) as exc:
             log.exception("worker %s: bad command %r", self.id, cmd)
-            reply = {"ok": False, "action": "none", "error": f"invalid command: {exc}"}
+            reply = wire.CommandReply(ok=False, error=f"invalid command: {exc}")
         if reply is not None and cmd.reply:
-            reply["worker"] = self.id
+            reply.worker = self.id
             pipe = self.redis.pipeline(transaction=False)
-            pipe.rpush(names.reply_key(cmd.reply), orjson.dumps(reply))
+            pipe.rpush(names.reply_key(cmd.reply), wire.encode_json(reply))
             pipe.expire(names.reply_key(cmd.reply), 60)
             pipe.execute()
         self.redis.xack(self.cmd_stream, names.GROUP, eid)

@@ -33,6 +33,12 @@ log = logging.getLogger(__name__)
 BalanceCommand = wire.ReduceCommand | wire.MoveCommand | wire.SplitCommand | wire.MergeCommand
 
 
+def done(action: str, details: dict[str, Any]) -> wire.CommandReply:
+    """The reply to a command carried out by publishing plan `details["version"]`."""
+    return wire.CommandReply(ok=True, action=action, version=details["version"],
+                             details=details)
+
+
 class CommandRefused(Exception):
     """A balancing command that is stale (plan changed, deadline passed) or invalid."""
 
@@ -215,9 +221,8 @@ class Migration:
                 "partitions": [p.to_dict() for p in new_plan.partitions
                                if p.id not in old_ids]}
 
-    def command(self, cmd: BalanceCommand) -> dict[str, Any]:
-        """Carry out a reduce / move / split / merge from the coordinator; the reply's fields
-        (action, version, details)."""
+    def command(self, cmd: BalanceCommand) -> wire.CommandReply:
+        """Carry out a reduce / move / split / merge from the coordinator; what it did."""
         ex = self.ex
         if cmd.deadline is not None and time.time() > cmd.deadline:
             raise CommandRefused("deadline passed")
@@ -237,21 +242,21 @@ class Migration:
             stats = [ex.ledger.stats[pid] for pid in sorted(mine)]
             red = balance.reduce_workload(stats, cmd.cost_ml, cmd.r_s)
             if red is None:
-                return {"action": "none", "details": {"reason": "no feasible reduction"}}
+                return wire.CommandReply(ok=True, details={"reason": "no feasible reduction"})
             action = "move" if isinstance(red, balance.MoveSubset) else "split"
             details = self.transfer(balance.apply_reduction(plan, red, cmd.to, ids))
             if isinstance(red, balance.SplitMove):
                 details["split"] = {"partition": red.partition_id, **red.split._asdict()}
             else:
                 details["moved"] = list(red.partition_ids)
-            return {"action": action, "version": details["version"], "details": details}
+            return done(action, details)
         if isinstance(cmd, wire.MoveCommand):
             missing = [p for p in cmd.partitions if p not in mine]
             if missing:
                 raise CommandRefused(f"partitions {missing} are not owned by {ex.id}")
             details = self.transfer(balance.apply_move(plan, cmd.partitions, cmd.to, ids))
             details["moved"] = cmd.partitions
-            return {"action": "move", "version": details["version"], "details": details}
+            return done("move", details)
         if isinstance(cmd, wire.SplitCommand):
             pid = cmd.partition
             if pid not in mine:
@@ -271,9 +276,9 @@ class Migration:
             details = self.transfer(new_plan)
             details["split"] = {"partition": pid, "axis": cmd.axis, "at": cmd.at,
                                 "moved": cmd.moved}
-            return {"action": "split", "version": details["version"], "details": details}
+            return done("split", details)
         new_plan = balance.apply_merges(plan, ids, worker=ex.id)
         if new_plan is plan:
-            return {"action": "none", "details": {"reason": "nothing to merge"}}
+            return wire.CommandReply(ok=True, details={"reason": "nothing to merge"})
         details = self.transfer(new_plan)
-        return {"action": "merge", "version": details["version"], "details": details}
+        return done("merge", details)

@@ -13,7 +13,7 @@ step). Field names say what they are; the short keys on the wire stay short thro
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import msgspec
 
@@ -294,6 +294,57 @@ def decode_report(data: bytes | str) -> LoadReport | None:
     return report
 
 
+# --- replies and admin requests on Redis lists (JSON) --------------------------------------
+
+class CommandReply(msgspec.Struct):
+    """A worker's answer to a balancing command that asked for one (`CommandBase.reply`),
+    pushed to `names.reply_key(token)`: what it did (`action`: none, move, split or merge),
+    the plan `version` it published and the change in `details`; or why it refused."""
+
+    ok: bool
+    worker: str = ""
+    action: str = "none"
+    version: int | None = None
+    details: dict[str, Any] = {}
+    error: str | None = None
+
+
+class AdminRequest(msgspec.Struct, omit_defaults=True):
+    """`POST /v1/admin/rebalance` as the api hands it to the leader coordinator (on
+    `names.REQUESTS_KEY`): a round now, a move of `partition` to worker `to`, or a split of
+    `partition` along `axis` after cell `at`. `id` is the token of the reply list."""
+
+    id: str
+    kind: str  # round | move | split (checked by the coordinator: it answers 422 otherwise)
+    partition: str | None = None
+    to: str | None = None
+    axis: Literal["x", "y"] | None = None
+    at: int | None = None
+
+
+class AdminReply(msgspec.Struct, omit_defaults=True):
+    """The coordinator's answer to an `AdminRequest`: the HTTP status for the api, with the
+    round's result (202) or the error."""
+
+    status: int
+    round: int | None = None
+    action: str | None = None
+    details: dict[str, Any] | None = None
+    error: str | None = None
+
+
+ListMessage = CommandReply | AdminRequest | AdminReply
+ListMessageT = TypeVar("ListMessageT", CommandReply, AdminRequest, AdminReply)
+
+
+def decode_list_message(data: bytes | str, kind: type[ListMessageT]) -> ListMessageT | None:
+    """A reply or request read from a Redis list, or None when it is not one."""
+    try:
+        return msgspec.json.decode(data, type=kind)
+    except msgspec.DecodeError:
+        return None
+
+
 # --- api -> hubs ---------------------------------------------------------------------------
 
 class KeyRevoked(msgspec.Struct):
@@ -310,7 +361,7 @@ _revoked_decoder = msgspec.json.Decoder(KeyRevoked)
 _gone_decoder = msgspec.json.Decoder(SubsGone)
 
 
-def encode_json(msg: KeyRevoked | SubsGone | LoadReport) -> bytes:
+def encode_json(msg: KeyRevoked | SubsGone | LoadReport | ListMessage) -> bytes:
     return _json_encoder.encode(msg)
 
 

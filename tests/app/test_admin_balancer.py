@@ -497,13 +497,13 @@ def test_rebalance_timeout_after_the_coordinator_took_it(server: InProcessServer
 
 def test_concurrent_rebalances_get_their_own_answers(server: InProcessServer) -> None:
     def answer(req: dict[str, Any]) -> dict[str, Any]:
-        return {"status": 202, "round": req["id"], "action": "none", "details": {}}
+        return {"status": 202, "round": 1, "action": "none", "details": {"request": req["id"]}}
 
     results: list[tuple[int, Any]] = []
 
     def one() -> None:
         r = request(server, "POST", "/v1/admin/rebalance", {})
-        results.append((r.status_code, r.json().get("round")))
+        results.append((r.status_code, r.json().get("details", {}).get("request")))
 
     with FakeCoordinator(server.redis_url, answer) as coordinator:
         threads = [threading.Thread(target=one) for _ in range(8)]

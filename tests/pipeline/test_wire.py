@@ -114,3 +114,28 @@ def test_load_reports_round_trip_and_refuse_foreign_json() -> None:
     for bad in (b"{", b"[]", b'{"worker": "w0"}', b'{"worker": "w0", "round": "x", "at": 1,'
                 b' "num": 1, "R": 1}'):
         assert wire.decode_report(bad) is None
+
+
+@pytest.mark.parametrize("msg", [
+    wire.CommandReply(ok=True, worker="w1", action="split", version=8,
+                      details={"split": {"partition": "p3", "axis": "x"}}),
+    wire.CommandReply(ok=False, error="plan version 3 is stale (current 4)"),
+    wire.AdminRequest(id="tok", kind="round"),
+    wire.AdminRequest(id="tok", kind="split", partition="p7", axis="y", at=12),
+    wire.AdminReply(status=202, round=41, action="move", details={"moved": ["p2"]}),
+    wire.AdminReply(status=409, error="partition p2 already belongs to w1"),
+])
+def test_replies_and_admin_requests_round_trip(msg: wire.ListMessage) -> None:
+    assert wire.decode_list_message(wire.encode_json(msg), type(msg)) == msg
+
+
+def test_admin_requests_carry_only_what_they_say_and_garbage_reads_as_none() -> None:
+    assert msgspec.json.decode(wire.encode_json(wire.AdminRequest(id="t", kind="move",
+                                                                  partition="p1", to="w2"))) \
+        == {"id": "t", "kind": "move", "partition": "p1", "to": "w2"}
+    for kind in (wire.CommandReply, wire.AdminRequest, wire.AdminReply):
+        assert wire.decode_list_message(b"not json", kind) is None
+        assert wire.decode_list_message(b"[1, 2]", kind) is None
+    assert wire.decode_list_message(b'{"id": "t", "kind": "split", "axis": "z"}',
+                                    wire.AdminRequest) is None
+    assert wire.decode_list_message(b'{"action": "move"}', wire.CommandReply) is None

@@ -250,11 +250,11 @@ def _partition(index: GlobalIndex, pid: str) -> Partition:
 
 
 async def _request(state: AppState, body: RebalanceRound | RebalanceMove | RebalanceSplit,
-                   token: str) -> dict[str, Any]:
+                   token: str) -> wire.AdminRequest:
     """Check the request against the current plan and the live workers; the coordinator
     checks again against the plan it acts on."""
     if isinstance(body, RebalanceRound):
-        return {"id": token, "kind": "round"}
+        return wire.AdminRequest(id=token, kind="round")
     await require_plan(state)
     assert state.router is not None
     await state.router.refresh()
@@ -266,7 +266,7 @@ async def _request(state: AppState, body: RebalanceRound | RebalanceMove | Rebal
             raise NotFound(f"no live worker {body.to!r} in the cluster")
         if p.worker == body.to:
             raise Conflict(f"partition {p.id!r} is already owned by {body.to!r}")
-        return {"id": token, "kind": "move", "partition": p.id, "to": body.to}
+        return wire.AdminRequest(id=token, kind="move", partition=p.id, to=body.to)
     p = _partition(index, body.split)
     lo, hi = (p.x0, p.x1) if body.axis == "x" else (p.y0, p.y1)
     if lo == hi:
@@ -275,20 +275,23 @@ async def _request(state: AppState, body: RebalanceRound | RebalanceMove | Rebal
     if not lo <= body.at < hi:
         raise _field_error("at", f"a split of {p.id!r} along {body.axis} must be at a cell "
                            f"{lo} ≤ at < {hi} (the low half keeps cells up to at)", body.at)
-    return {"id": token, "kind": "split", "partition": p.id, "axis": body.axis, "at": body.at}
+    return wire.AdminRequest(id=token, kind="split", partition=p.id, axis=body.axis, at=body.at)
 
 
-def _reply_response(reply: dict[str, Any]) -> JSONResponse:
+def _reply_response(reply: wire.AdminReply | None) -> JSONResponse:
     """The coordinator's answer as the API's answer: 202 with the result or its error."""
-    status = reply.get("status")
+    if reply is None:
+        raise Unavailable("the coordinator's answer could not be read",
+                          headers={"Retry-After": "1"})
+    status = reply.status
     if status == 202:
-        return JSONResponse({"round": reply.get("round"), "action": reply.get("action"),
-                             "details": reply.get("details")}, status_code=202)
-    message = str(reply.get("error") or "the coordinator refused the request")
+        return JSONResponse({"round": reply.round, "action": reply.action,
+                             "details": reply.details}, status_code=202)
+    message = reply.error or "the coordinator refused the request"
     if status == 422:
         raise RequestValidationError([{"type": "value_error", "loc": ("body",),
                                        "msg": message, "input": None}])
-    if isinstance(status, int) and not isinstance(status, bool) and 400 <= status < 500:
+    if 400 <= status < 500:
         error = ApiError(message)
         error.status = status
         raise error
@@ -315,7 +318,7 @@ async def rebalance(body: Annotated[RebalanceIn, Body(openapi_examples={
     if await state.redis.get(names.LEASE_KEY) is None:
         raise Unavailable("no coordinator is running (nobody holds the balancer lease); "
                           "start one and retry", headers={"Retry-After": "5"})
-    payload = orjson.dumps(request)
+    payload = wire.encode_json(request)
     timeout = state.settings.admin_rebalance_timeout_s
     # A connection of its own: the shared pool's socket timeout is shorter than the BLPOP, and
     # a 30 s wait must not hold one of its connections.
@@ -335,6 +338,6 @@ async def rebalance(body: Annotated[RebalanceIn, Body(openapi_examples={
                 headers={"Retry-After": "5"})
     finally:
         await conn.aclose()
-    reply = _json_object(answer[1])
-    log.info("rebalance request %s (%s): %s", token, request["kind"], reply)
+    reply = wire.decode_list_message(answer[1], wire.AdminReply)
+    log.info("rebalance request %s (%s): %s", token, request.kind, reply)
     return _reply_response(reply)
