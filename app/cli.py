@@ -8,12 +8,15 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from app.core.config import Settings, get_settings
 from app.core.processes import wait_until_ok
+
+if TYPE_CHECKING:
+    from app.core.redis import EmbeddedRedis
 
 app = typer.Typer(help="geoswarm: real-time location publish/subscribe", no_args_is_help=True)
 keys_app = typer.Typer(help="API keys", no_args_is_help=True)
@@ -189,6 +192,41 @@ class Pool:
                 proc.wait()
 
 
+class RedisSupervisor:
+    """Restart `dev`'s embedded redis-server when it dies, as the Pool restarts the others: on
+    the same port, so that every process's URL stays right, and on the same data dir, so that
+    it reloads its AOF. Until it is back the api answers 503 and the workers retry."""
+
+    RETRY_S = (1.0, 2.0, 5.0, 10.0)  # between failed restarts (the port may be taken)
+
+    def __init__(self, settings: Settings, server: EmbeddedRedis) -> None:
+        self.settings = settings
+        self.server = server
+        self.failures = 0
+        self.next_try = 0.0
+
+    def check(self) -> None:
+        from app.core.redis import restart_embedded_redis
+
+        code = self.server.process.poll()
+        if code is None or time.monotonic() < self.next_try:
+            return
+        if self.failures == 0:
+            log.warning("embedded redis-server (pid %d) exited with %s; restarting it on port "
+                        "%d with its AOF", self.server.process.pid, code, self.server.port)
+        try:
+            self.server = restart_embedded_redis(self.settings, self.server)
+        except (RuntimeError, OSError) as exc:
+            delay = self.RETRY_S[min(self.failures, len(self.RETRY_S) - 1)]
+            self.failures += 1
+            self.next_try = time.monotonic() + delay
+            log.error("embedded redis-server did not restart (%s); retrying in %g s", exc, delay)
+            return
+        self.failures = 0
+        log.warning("embedded redis-server restarted on port %d (pid %d)", self.server.port,
+                    self.server.process.pid)
+
+
 def _dev_admin_key(settings: Settings) -> str:
     """The bootstrap key, else the admin key this data dir's dev created (kept in a file)."""
     from app.core.db import make_engine, make_sessionmaker, session_scope
@@ -235,6 +273,8 @@ def dev(
     settings = get_settings()
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     url, server = resolve_redis_url(settings)
+    # Only a server this dev started is its to restart (not one another process runs).
+    supervisor = RedisSupervisor(settings, server) if server is not None else None
     pool: Pool | None = None
     stop = {"signal": 0}
 
@@ -274,13 +314,15 @@ def dev(
         else:
             typer.echo(f"geoswarm did not become ready at {base}/readyz", err=True)
         while not stop["signal"]:
+            if supervisor is not None:
+                supervisor.check()
             pool.reap()
             time.sleep(0.5)
     finally:
         if pool is not None:
             pool.stop()
-        if server is not None:
-            server.stop()
+        if supervisor is not None:
+            supervisor.server.stop()
     typer.echo("geoswarm stopped")
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import logging
 import math
 from collections.abc import AsyncIterator, Iterator, Sequence
@@ -16,21 +17,24 @@ from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from prometheus_client import Counter
-from sqlalchemy.exc import DBAPIError, OperationalError
+from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from app.api.deps import authenticate_request
 from app.api.openapi import TENANT, errors, install_openapi
 from app.api.routes import admin, dashboard, health, keys, objects, stream, subscriptions
 from app.core.config import Settings, get_settings
 from app.core.db import make_engine, make_sessionmaker
-from app.core.errors import ApiError
+from app.core.errors import ApiError, integrity_problem, is_redis_oom
 from app.core.redis import async_client
+from app.core.security import AuthFailures, install_log_redaction
 from app.core.state import AppState
 from app.pipeline.expiry import expiry_loop
 from app.pipeline.hub import Hub
 from app.pipeline.router import Router
+from app.services.revocation import key_recheck_loop
 
 try:
     from fastapi.routing import iter_route_contexts
@@ -56,7 +60,9 @@ HTTP_ERRORS = Counter("geoswarm_http_errors_total", "HTTP error responses", ["st
 
 
 class BodyLimit:
-    """Reject request bodies over max_body_bytes with 413 before the app reads them."""
+    """Reject request bodies over max_body_bytes with 413 before the app reads them, and
+    authenticate a /v1 request that has a body before reading any of it: a missing or unknown
+    key costs no upload of up to max_body_bytes (the route's dependency reuses the principal)."""
 
     def __init__(self, app: ASGIApp, max_bytes: int) -> None:
         self.app = app
@@ -66,15 +72,24 @@ class BodyLimit:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        has_body = False
         for name, value in scope.get("headers", []):
             if name == b"content-length":
                 try:
-                    too_big = int(value) > self.max_bytes
+                    length = int(value)
                 except ValueError:
-                    too_big = False
-                if too_big:
+                    length = 0
+                if length > self.max_bytes:
                     await self._reject(send)
                     return
+                has_body = has_body or length > 0
+            elif name == b"transfer-encoding":
+                has_body = True
+        if has_body and _authenticated_route(scope):
+            refusal = await _authenticate_first(scope)
+            if refusal is not None:
+                await refusal(scope, receive, send)
+                return
         chunks: list[bytes] = []
         size = 0
         more = True
@@ -108,6 +123,31 @@ class BodyLimit:
                     "headers": [(b"content-type", b"application/json"),
                                 (b"content-length", str(len(payload)).encode())]})
         await send({"type": "http.response.body", "body": payload})
+
+
+def _authenticated_route(scope: Scope) -> bool:
+    """A /v1 route serves this method on this path (else the router answers 404 or 405)."""
+    app = scope.get("app")
+    path = scope["path"]
+    return (isinstance(app, FastAPI) and path.startswith("/v1/")
+            and scope["method"] in allowed_methods(app, path))
+
+
+async def _authenticate_first(scope: Scope) -> Response | None:
+    """Authenticate (and rate-limit) a request before its body is read; the error response
+    when refused, made by the app's own exception handlers."""
+    app: FastAPI = scope["app"]
+    request = Request(scope)
+    try:
+        await authenticate_request(request, app.state.gs)
+    except Exception as exc:
+        for cls in type(exc).__mro__:
+            handler = app.exception_handlers.get(cls)
+            if handler is not None:
+                response = handler(request, exc)
+                return await response if inspect.isawaitable(response) else response
+        raise
+    return None
 
 
 def _error(status: int, detail: Any, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -197,6 +237,25 @@ def install_error_handlers(app: FastAPI) -> None:
         log.warning("redis unavailable: %s", exc)
         return _error(503, "Redis is unavailable; retry later", {"Retry-After": "1"})
 
+    @app.exception_handler(redis.exceptions.ResponseError)
+    async def redis_refused(_: Request, exc: redis.exceptions.ResponseError) -> JSONResponse:
+        if not is_redis_oom(exc):
+            raise exc  # a command we got wrong: a server error (500, logged)
+        log.warning("redis is out of memory: %s", exc)
+        return _error(503, "Redis is out of memory (maxmemory); retry later",
+                      {"Retry-After": "5"})
+
+    @app.exception_handler(IntegrityError)
+    async def integrity_error(_: Request, exc: IntegrityError) -> JSONResponse:
+        """A constraint the request broke: the client's conflict (409) or invalid data (422),
+        not an unavailable database."""
+        status, message = integrity_problem(exc)
+        log.info("integrity error answered %d: %s", status, exc.orig)
+        if status == 422:
+            return _error(422, [{"type": "value_error", "loc": ["body"], "msg": message,
+                                 "input": None}])
+        return _error(status, message)
+
     @app.exception_handler(OperationalError)
     @app.exception_handler(DBAPIError)
     async def db_down(_: Request, exc: Exception) -> JSONResponse:
@@ -226,6 +285,7 @@ def create_app(settings: Settings | None = None, redis_url: str | None = None) -
         await state.router.refresh()
         await state.hub.start()
         expiry = asyncio.create_task(expiry_loop(state), name="expiry")
+        recheck = asyncio.create_task(key_recheck_loop(state), name="key-recheck")
         try:
             yield
         finally:
@@ -233,6 +293,9 @@ def create_app(settings: Settings | None = None, redis_url: str | None = None) -
             expiry.cancel()
             with contextlib.suppress(asyncio.CancelledError, TimeoutError):
                 await asyncio.wait_for(expiry, 5)
+            recheck.cancel()
+            with contextlib.suppress(asyncio.CancelledError, TimeoutError, Exception):
+                await asyncio.wait_for(recheck, 5)
             await state.hub.stop()
             try:
                 await asyncio.wait_for(client.aclose(), 5)
@@ -250,6 +313,8 @@ def create_app(settings: Settings | None = None, redis_url: str | None = None) -
         description=OPENAPI_DESCRIPTION,
         lifespan=lifespan,
     )
+    app.state.auth_failures = AuthFailures(settings.auth_fail_limit, settings.auth_fail_window_s)
+    install_log_redaction()
     install_error_handlers(app)
     for module in (health, keys, subscriptions, objects, stream, admin, dashboard):
         # stream.py's one HTTP route is the replay, GET /v1/subscriptions/{sub_id}/matches (the

@@ -10,6 +10,7 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 import typer.main
@@ -132,9 +133,13 @@ def _parse_cli(argv: list[str]) -> Any:
     return cmd.make_context(" ".join(path), args)
 
 
+STAND_IN = "Zq8vN3kT7wYp2LmR9sXc4HbJ6fGd1QaE"  # what a user would export, e.g. openssl rand
+
+
 def _resolve(value: str) -> str:
-    """Compose interpolation with a stand-in for each variable the user must supply."""
-    return INTERPOLATION.sub(lambda m: m["arg"] if m["op"] in (":-", "-") else "stand-in", value)
+    """Compose interpolation with a stand-in for each variable the user must supply (a strong
+    one: the compose services run with GEOSWARM_ENVIRONMENT=production)."""
+    return INTERPOLATION.sub(lambda m: m["arg"] if m["op"] in (":-", "-") else STAND_IN, value)
 
 
 def test_cli_parser_rejects_what_geoswarm_would() -> None:
@@ -188,7 +193,7 @@ def test_compose_environment_is_real_settings() -> None:
                   if k.startswith(ENV_PREFIX)}
         settings = Settings.model_validate(values)
         assert settings.workers == ["w0", "w1"]
-        assert settings.redis_url and settings.redis_url.startswith("redis://redis:")
+        assert settings.redis_url and urlsplit(settings.redis_url).hostname == "redis"
         assert settings.sqlalchemy_url.startswith("postgresql+psycopg://")
 
 

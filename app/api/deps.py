@@ -1,21 +1,28 @@
 """Annotated dependencies: the process state, the authenticated tenant or admin; the strict
-JSON route class."""
+JSON route class. Authentication is throttled per client address (failed key checks), and may
+have happened before the body was read (`main.BodyLimit`), which leaves the principal in the
+request's state."""
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Coroutine
 from typing import Annotated, Any
 
 import orjson
-from fastapi import Depends, Request, Response, WebSocket
+import redis.exceptions
+from fastapi import Depends, FastAPI, Request, Response, WebSocket
 from fastapi.routing import APIRoute
 from starlette.concurrency import run_in_threadpool
+from starlette.requests import HTTPConnection
 
-from app.core.errors import BadRequest, Forbidden, RateLimited, Unauthorized
-from app.core.security import Principal, bootstrap_principal
+from app.core.errors import BadRequest, Forbidden, RateLimited, Unauthorized, is_redis_oom
+from app.core.security import AuthFailures, Principal, bootstrap_principal
 from app.core.state import AppState
 from app.services import keys as key_service
+
+log = logging.getLogger(__name__)
 
 
 class StrictJSONRequest(Request):
@@ -70,13 +77,36 @@ def _lookup(state: AppState, key: str) -> Principal | None:
         return key_service.lookup(session, key)
 
 
-async def authenticate(state: AppState, key: str | None) -> Principal:
+def auth_failures(app: FastAPI) -> AuthFailures:
+    """The process's throttle of failed key checks (made by create_app)."""
+    return app.state.auth_failures  # type: ignore[no-any-return]
+
+
+def client_address(conn: HTTPConnection) -> str:
+    return conn.client.host if conn.client is not None else "unknown"
+
+
+async def authenticate(state: AppState, key: str | None,
+                       failures: AuthFailures | None = None, address: str = "unknown"
+                       ) -> Principal:
+    """The principal of `key`. An address with too many failed checks in the current window is
+    refused (429) before its key is looked up; only checks that looked a key up count."""
     if key is None:
         raise Unauthorized("missing API key: send 'Authorization: Bearer <key>'")
     if len(key) > 256:
         raise Unauthorized("unknown or revoked API key")
+    if failures is not None:
+        retry = failures.retry_after(address)
+        if retry is not None:
+            # short: it is also a WebSocket close reason (at most 123 bytes)
+            raise RateLimited(
+                f"too many failed authentications from this address (over {failures.limit} "
+                f"in {failures.window_s:g} s); retry in {retry} s",
+                headers={"Retry-After": str(retry)})
     principal = await run_in_threadpool(_lookup, state, key)
     if principal is None:
+        if failures is not None:
+            failures.failed(address)
         raise Unauthorized("unknown or revoked API key")
     return principal
 
@@ -91,18 +121,35 @@ async def rate_limit(state: AppState, principal: Principal) -> None:
     pipe = state.redis.pipeline(transaction=False)
     pipe.incr(counter)
     pipe.expire(counter, 2)
-    count, _ = await pipe.execute()
+    try:
+        count, _ = await pipe.execute()
+    except redis.exceptions.ResponseError as exc:
+        if not is_redis_oom(exc):
+            raise
+        # The limit protects the server; a full Redis must not also refuse every read.
+        log.warning("rate limit not counted: Redis is out of memory")
+        return
     if int(count) > limit:
         retry = max(1, int(window + 1 - now + 0.999))
         raise RateLimited(f"rate limit of {limit} requests/s per key exceeded",
                           headers={"Retry-After": str(retry)})
 
 
-async def get_principal(request: Request, state: StateDep) -> Principal:
-    principal = await authenticate(state, bearer_token(request.headers.get("authorization")))
+async def authenticate_request(request: Request, state: AppState) -> Principal:
+    """Authenticate and rate-limit an HTTP request (once: BodyLimit may have done it before the
+    body was read)."""
+    principal: Principal | None = getattr(request.state, "principal", None)
+    if principal is not None:
+        return principal
+    principal = await authenticate(state, bearer_token(request.headers.get("authorization")),
+                                   auth_failures(request.app), client_address(request))
     await rate_limit(state, principal)
     request.state.principal = principal
     return principal
+
+
+async def get_principal(request: Request, state: StateDep) -> Principal:
+    return await authenticate_request(request, state)
 
 
 TenantDep = Annotated[Principal, Depends(get_principal)]
@@ -121,4 +168,5 @@ async def websocket_principal(websocket: WebSocket) -> Principal:
     state: AppState = websocket.app.state.gs
     key = (bearer_token(websocket.headers.get("authorization"))
            or websocket.query_params.get("token"))
-    return await authenticate(state, key)
+    return await authenticate(state, key, auth_failures(websocket.app),
+                              client_address(websocket))

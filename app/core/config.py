@@ -6,15 +6,27 @@ import math
 from functools import lru_cache
 from pathlib import Path
 from typing import Annotated, Literal
+from urllib.parse import urlsplit
 
 from pydantic import field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 WORLD = (-180.0, -90.0, 180.0, 90.0)
 
+# Production refuses these (and anything shorter than MIN_SECRET_LEN) as secrets: placeholders
+# and the values of examples, which an attacker tries first.
+MIN_SECRET_LEN = 32
+WELL_KNOWN_SECRETS = frozenset({
+    "admin", "administrator", "bootstrap", "change-me", "change_me", "changeit", "changeme",
+    "default", "dev", "development", "geoswarm", "letmein", "pass", "passw0rd", "password",
+    "postgres", "redis", "root", "secret", "test", "testing",
+})
+
 
 class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="GEOSWARM_", extra="ignore")
+    # hide_input_in_errors: a refused setting must not print the others (secrets among them)
+    model_config = SettingsConfigDict(env_prefix="GEOSWARM_", extra="ignore",
+                                      hide_input_in_errors=True)
 
     # --- environment and dependencies -------------------------------------------
     environment: Literal["development", "production", "test"] = "development"
@@ -46,6 +58,13 @@ class Settings(BaseSettings):
     max_body_bytes: int = 8 * 1024 * 1024
     max_batch: int = 10_000
     rate_limit_per_s: int = 2_000  # requests per key per second, 0 disables
+    # failed key checks (unknown or revoked keys) per client address and window, per api
+    # process; beyond, that address gets 429 without a lookup until the window ends (0: off)
+    auth_fail_limit: int = 100
+    auth_fail_window_s: float = 10.0
+    # an open WebSocket whose key was revoked is closed within this many seconds even when the
+    # revocation message (Redis pub/sub, at most once) is lost
+    key_recheck_s: float = 5.0
     history_max_len: int = 1_000
     history_max_age_s: float = 120.0
     ws_queue_max: int = 50_000
@@ -93,9 +112,34 @@ class Settings(BaseSettings):
             raise ValueError("bounds must lie within -180,-90,180,90")
         if min(self.grid) < 1 or max(self.grid) > 10_000:
             raise ValueError("grid must be C1xC2 with 1 ≤ C ≤ 10000")
-        if self.environment == "production" and self.bootstrap_admin_key in {"changeme", "admin"}:
-            raise ValueError("GEOSWARM_BOOTSTRAP_ADMIN_KEY is a placeholder; set a real secret")
+        if self.auth_fail_window_s <= 0 or self.key_recheck_s <= 0:
+            raise ValueError("auth_fail_window_s and key_recheck_s must be positive")
+        if self.environment == "production":
+            self._check_production_secrets()
         return self
+
+    def _check_production_secrets(self) -> None:
+        """Refuse, at start, secrets that are guessable: the bootstrap admin key must be long
+        and not a placeholder; passwords in the Redis and database URLs not well-known ones."""
+        key = self.bootstrap_admin_key
+        if key is not None:
+            how = "GEOSWARM_ENVIRONMENT=production refuses GEOSWARM_BOOTSTRAP_ADMIN_KEY"
+            hint = ("set a long random value, e.g. python -c 'import secrets; "
+                    "print(secrets.token_urlsafe(32))', or leave it unset and create admin keys "
+                    "with `geoswarm keys create --admin`")
+            if key.strip().lower() in WELL_KNOWN_SECRETS:
+                raise ValueError(f"{how}: it is a well-known placeholder; {hint}")
+            if len(key) < MIN_SECRET_LEN:
+                raise ValueError(f"{how}: it has {len(key)} characters, fewer than "
+                                 f"{MIN_SECRET_LEN}; {hint}")
+            if len(set(key)) < 8:
+                raise ValueError(f"{how}: it repeats a few characters and is not random; {hint}")
+        for name, url in (("GEOSWARM_DATABASE_URL", self.database_url),
+                          ("GEOSWARM_REDIS_URL", self.redis_url)):
+            password = _url_password(url)
+            if password is not None and password.lower() in WELL_KNOWN_SECRETS:
+                raise ValueError(f"GEOSWARM_ENVIRONMENT=production refuses the password of "
+                                 f"{name}: {password!r} is a well-known default; set a random one")
 
     @property
     def sqlalchemy_url(self) -> str:
@@ -110,6 +154,15 @@ class Settings(BaseSettings):
     @property
     def archive_path(self) -> str:
         return self.archive_url or str((self.data_dir / "archive").resolve())
+
+
+def _url_password(url: str | None) -> str | None:
+    if not url:
+        return None
+    try:
+        return urlsplit(url).password
+    except ValueError:  # a URL that does not parse is refused where it is used
+        return None
 
 
 @lru_cache

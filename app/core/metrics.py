@@ -1,8 +1,19 @@
-"""Prometheus metrics of an api process (each api process serves its own /metrics)."""
+"""Prometheus metrics of an api process (each api process serves its own /metrics), and the
+cluster's dead letters, which it reads from Redis."""
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge, Histogram
+import asyncio
+from collections.abc import Iterable
+
+import redis.asyncio as aioredis
+import redis.exceptions
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
+
+from app.pipeline import names
 
 OBJECTS_ACCEPTED = Counter("geoswarm_objects_accepted_total", "Objects accepted (202)")
 PUBLISH_SECONDS = Histogram("geoswarm_publish_seconds", "Time to validate and queue a batch",
@@ -14,3 +25,41 @@ WS_CONNECTIONS = Gauge("geoswarm_ws_connections", "Open WebSocket connections")
 WS_MESSAGES = Counter("geoswarm_ws_messages_total", "Messages sent to WebSocket clients",
                       ["path"])
 WS_CLOSED = Counter("geoswarm_ws_closed_total", "WebSockets closed by the server", ["code"])
+
+
+class DeadLetters(Collector):
+    """The cluster's dead letters as Redis counts them (workers serve no /metrics): how many
+    entries were ever dead-lettered, and how many wait in the stream. Read from Redis before
+    each scrape (`refresh`); left out of the scrape while Redis does not answer."""
+
+    def __init__(self) -> None:
+        self.total: float | None = None
+        self.waiting: float | None = None
+
+    async def refresh(self, client: aioredis.Redis, timeout: float = 2.0) -> None:
+        pipe = client.pipeline(transaction=False)
+        pipe.get(names.DEAD_LETTER_COUNT)
+        pipe.xlen(names.DEAD_LETTER)
+        try:
+            total, waiting = await asyncio.wait_for(pipe.execute(), timeout)
+            self.total, self.waiting = float(total or 0), float(waiting)
+        except (redis.exceptions.RedisError, OSError, TimeoutError, ValueError):
+            self.total = self.waiting = None
+
+    def collect(self) -> Iterable[Metric]:
+        if self.total is not None:
+            yield CounterMetricFamily(
+                "geoswarm_dead_letters", "Stream entries the workers dead-lettered (cluster-wide)",
+                value=self.total)
+        if self.waiting is not None:
+            yield GaugeMetricFamily(
+                "geoswarm_dead_letters_waiting",
+                "Dead letters in the dead-letter stream (cluster-wide)", value=self.waiting)
+
+    def describe(self) -> Iterable[Metric]:
+        yield CounterMetricFamily("geoswarm_dead_letters", "", value=0)
+        yield GaugeMetricFamily("geoswarm_dead_letters_waiting", "", value=0)
+
+
+DEAD_LETTERS = DeadLetters()
+REGISTRY.register(DEAD_LETTERS)

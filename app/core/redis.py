@@ -47,6 +47,20 @@ def _ping(url: str, timeout: float = 0.5) -> bool:
         return False
 
 
+def _serving_pid(url: str, timeout: float = 0.5) -> int | None:
+    """The process id of the redis-server serving at `url`: None while none answers, and while
+    it loads its AOF (PING answers LOADING then, though INFO would answer)."""
+    try:
+        client = redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
+        try:
+            client.ping()
+            return int(client.info("server")["process_id"])
+        finally:
+            client.close()
+    except (redis.RedisError, OSError, KeyError, ValueError):
+        return None
+
+
 @dataclass
 class EmbeddedRedis:
     """A redis-server child process (AOF on) that we own and stop."""
@@ -54,6 +68,10 @@ class EmbeddedRedis:
     url: str
     process: subprocess.Popen[bytes]
     url_file: Path
+
+    @property
+    def port(self) -> int:
+        return int(self.url.rsplit(":", 1)[1].split("/", 1)[0])
 
     def stop(self, timeout: float = 10.0) -> None:
         if self.process.poll() is None:
@@ -70,7 +88,10 @@ class EmbeddedRedis:
             pass
 
 
-def start_embedded_redis(settings: Settings, port: int | None = None) -> EmbeddedRedis:
+def start_embedded_redis(settings: Settings, port: int | None = None,
+                         timeout: float = 15.0) -> EmbeddedRedis:
+    """Start redis-server on loopback with its AOF under ``data_dir/redis`` (which it loads
+    first: a restart on the same data dir has everything the last one acknowledged)."""
     rdir = (settings.data_dir / "redis").resolve()
     rdir.mkdir(parents=True, exist_ok=True)
     port = port or free_port()
@@ -89,19 +110,31 @@ def start_embedded_redis(settings: Settings, port: int | None = None) -> Embedde
         "--maxclients", "10000",
     ]
     proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, start_new_session=False)
-    deadline = time.monotonic() + 15
-    while not _ping(url):
+    deadline = time.monotonic() + timeout
+    # Until ours serves: not another server that holds the port (ours then exits: bind
+    # failed), and not while it loads its AOF.
+    while _serving_pid(url) != proc.pid:
         if proc.poll() is not None:
             raise RuntimeError(f"embedded redis-server exited with {proc.returncode}; "
                                f"see {rdir / 'redis.log'}")
         if time.monotonic() > deadline:
             proc.kill()
-            raise RuntimeError("embedded redis-server did not answer PING within 15 s")
+            proc.wait()
+            raise RuntimeError(f"embedded redis-server did not answer within {timeout:g} s")
         time.sleep(0.05)
     url_file = rdir / "redis.url"
     url_file.write_text(url)
     log.info("embedded redis-server %s (pid %d, AOF in %s)", url, proc.pid, rdir)
     return EmbeddedRedis(url=url, process=proc, url_file=url_file)
+
+
+def restart_embedded_redis(settings: Settings, server: EmbeddedRedis) -> EmbeddedRedis:
+    """A new redis-server in place of `server`, which has exited: the same port (the clients of
+    the other processes keep their URL) and the same data dir (it reloads the AOF)."""
+    if server.process.poll() is None:
+        raise RuntimeError(f"embedded redis-server pid {server.process.pid} is still running")
+    # Loading a long AOF takes a while; the first start of a data dir has little to load.
+    return start_embedded_redis(settings, port=server.port, timeout=120.0)
 
 
 def running_embedded_url(settings: Settings) -> str | None:

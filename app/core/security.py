@@ -1,13 +1,19 @@
-"""API keys: generated with enough entropy that a plain SHA-256 is a safe stored hash."""
+"""API keys: generated with enough entropy that a plain SHA-256 is a safe stored hash; the
+throttle of failed key checks per client address; keys kept out of the access logs."""
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
+import math
+import re
 import secrets
+import time
 from dataclasses import dataclass
 
 BOOTSTRAP_TENANT = "admin"
+BOOTSTRAP_KEY_ID = "bootstrap"
 
 
 @dataclass(frozen=True)
@@ -31,5 +37,87 @@ def hash_key(key: str) -> str:
 
 def bootstrap_principal(key: str, bootstrap: str | None) -> Principal | None:
     if bootstrap and hmac.compare_digest(hash_key(key), hash_key(bootstrap)):
-        return Principal(key_id="bootstrap", tenant=BOOTSTRAP_TENANT, admin=True)
+        return Principal(key_id=BOOTSTRAP_KEY_ID, tenant=BOOTSTRAP_TENANT, admin=True)
     return None
+
+
+class AuthFailures:
+    """Failed key checks per client address in fixed windows, in this process's memory: an
+    address with `limit` failures in the current window is refused before its key is looked up
+    (so unknown keys cannot make an unbounded number of SQL lookups). Memory is bounded: past
+    `max_addresses` tracked addresses, finished windows are forgotten, then the oldest."""
+
+    def __init__(self, limit: int, window_s: float, max_addresses: int = 100_000) -> None:
+        self.limit = limit
+        self.window_s = window_s
+        self.max_addresses = max_addresses
+        self._windows: dict[str, tuple[float, int]] = {}  # address -> (window start, failures)
+
+    def retry_after(self, address: str, now: float | None = None) -> int | None:
+        """Seconds until `address` may try again, or None when it may now."""
+        if self.limit <= 0:
+            return None
+        entry = self._windows.get(address)
+        if entry is None:
+            return None
+        now = time.monotonic() if now is None else now
+        start, count = entry
+        if now - start >= self.window_s:
+            del self._windows[address]
+            return None
+        if count < self.limit:
+            return None
+        return max(1, math.ceil(start + self.window_s - now))
+
+    def failed(self, address: str, now: float | None = None) -> None:
+        if self.limit <= 0:
+            return
+        now = time.monotonic() if now is None else now
+        start, count = self._windows.get(address, (now, 0))
+        if now - start >= self.window_s:
+            start, count = now, 0
+        self._windows[address] = (start, count + 1)
+        if len(self._windows) > self.max_addresses:
+            self._prune(now)
+
+    def _prune(self, now: float) -> None:
+        live = {a: e for a, e in self._windows.items() if now - e[0] < self.window_s}
+        if len(live) > self.max_addresses // 2:
+            newest = sorted(live.items(), key=lambda item: item[1][0])[-(self.max_addresses // 2):]
+            live = dict(newest)
+        self._windows = live
+
+
+_TOKEN_IN_QUERY = re.compile(r"([?&]token=)[^&\s\"]*")
+REDACTED = "[redacted]"
+
+
+def redact_tokens(text: str) -> str:
+    """`?token=<key>` (WebSocket authentication) as `?token=[redacted]`."""
+    return _TOKEN_IN_QUERY.sub(r"\g<1>" + REDACTED, text)
+
+
+class RedactTokens(logging.Filter):
+    """Rewrites `token=...` in a record's message and arguments: uvicorn logs each request's
+    path with its query string (`uvicorn.access`, and `uvicorn.error` for WebSocket
+    handshakes), which would put WebSocket clients' keys in the logs."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.msg, str) and "token=" in record.msg:
+            record.msg = redact_tokens(record.msg)
+        args = record.args
+        if isinstance(args, tuple) and any(isinstance(a, str) and "token=" in a for a in args):
+            record.args = tuple(redact_tokens(a) if isinstance(a, str) else a for a in args)
+        return True
+
+
+REDACTED_LOGGERS = ("uvicorn.access", "uvicorn.error")
+
+
+def install_log_redaction() -> None:
+    """Add RedactTokens to uvicorn's loggers (once). Filters on a logger survive uvicorn's
+    logging dictConfig, which replaces handlers only."""
+    for name in REDACTED_LOGGERS:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, RedactTokens) for f in logger.filters):
+            logger.addFilter(RedactTokens())

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 
+import redis.asyncio as aioredis
 import redis.exceptions
 from starlette.concurrency import run_in_threadpool
 
@@ -14,14 +16,37 @@ from app.core.db import session_scope
 from app.core.metrics import SUBSCRIPTIONS_DELETED
 from app.core.state import AppState
 from app.models import Subscription
+from app.pipeline import names
 from app.services import subscriptions as sub_service
 
 log = logging.getLogger(__name__)
-LOCK = "gs:lock:expiry"
+
+LOCK_TTL_MS = 5000  # a round that outlives its lock may overlap the next holder's round
+
+# Delete the lock only while it still holds our token: a round that outlived its lock must not
+# release the lock another api process has taken since (GET then DEL would, between the two).
+_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+    return redis.call('DEL', KEYS[1])
+end
+return 0
+"""
+
+
+async def acquire_lock(client: aioredis.Redis, key: str, ttl_ms: int) -> bytes | None:
+    """Take `key` for `ttl_ms` unless someone holds it; the token to release it with."""
+    token = secrets.token_hex(16).encode()
+    return token if await client.set(key, token, nx=True, px=ttl_ms) else None
+
+
+async def release_lock(client: aioredis.Redis, key: str, token: bytes) -> bool:
+    """Release `key` if it is still ours (compare-and-delete); False if it had expired."""
+    return bool(await client.register_script(_RELEASE)(keys=[key], args=[token]))
 
 
 async def expire_once(state: AppState) -> int:
-    if not await state.redis.set(LOCK, b"1", nx=True, px=5000):
+    token = await acquire_lock(state.redis, names.EXPIRY_LOCK, LOCK_TTL_MS)
+    if token is None:
         return 0
     try:
         def pop() -> list[Subscription]:
@@ -34,7 +59,8 @@ async def expire_once(state: AppState) -> int:
             SUBSCRIPTIONS_DELETED.labels("expired").inc(len(rows))
         return len(rows)
     finally:
-        await state.redis.delete(LOCK)
+        if not await release_lock(state.redis, names.EXPIRY_LOCK, token):
+            log.warning("the expiry round outlived its lock (%d ms)", LOCK_TTL_MS)
 
 
 async def expiry_loop(state: AppState, period_s: float = 1.0) -> None:

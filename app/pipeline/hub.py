@@ -319,11 +319,19 @@ class Hub:
                 async for msg in pubsub.listen():
                     if msg.get("type") != "message":
                         continue
-                    await self._on_message(msg["channel"].decode(), msg["data"])
+                    channel = msg["channel"].decode()
+                    try:
+                        await self._on_message(channel, msg["data"])
+                    except Exception:  # a failing handler loses its message, not the channel
+                        log.exception("hub: handling a message on %s failed; listening on",
+                                      channel)
             except asyncio.CancelledError:
                 raise
             except (redis.exceptions.RedisError, OSError) as exc:
                 log.warning("hub: notification channel lost (%s); reconnecting", exc)
+                await asyncio.sleep(0.5)
+            except Exception:  # a bug in a handler must not end delivery for this process
+                log.exception("hub: notification listener failed; restarting it")
                 await asyncio.sleep(0.5)
             finally:
                 # its own connection, outside the client's pool: close it (bounded)

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import orjson
 import redis.asyncio as aioredis
+import redis.exceptions
 
 from app.core.config import Settings
 from app.geo.grid import Grid
@@ -245,7 +246,10 @@ class Router:
         await pipe.execute()
         ids = [r.id for r in rows]
         gone = wire.SubsGone(expired=ids) if reason == "expired" else wire.SubsGone(deleted=ids)
-        await self.redis.publish(names.SUBS_CHANNEL, wire.encode_json(gone))
+        try:  # best effort: the removal is done; a client listening is then just not told
+            await self.redis.publish(names.SUBS_CHANNEL, wire.encode_json(gone))
+        except redis.exceptions.RedisError as exc:
+            log.warning("could not announce the end of subscriptions %s: %s", ids[:5], exc)
 
 
 def read_history_sample(path: Path, grid: Grid) -> tuple[Any, Any, Any]:

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Collection
 
 from sqlalchemy import select
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from app.core.security import Principal, hash_key, new_id, new_key
@@ -12,9 +16,23 @@ from app.models import ApiKey, Tenant
 
 
 def ensure_tenant(session: Session, name: str) -> None:
-    if session.get(Tenant, name) is None:
-        session.add(Tenant(name=name))
-        session.flush()
+    """Create the tenant unless it exists. Two first requests of a tenant may both find it
+    missing: the insert does nothing when the other one's insert won the race, rather than
+    failing with a conflict the client did not cause."""
+    if session.get(Tenant, name) is not None:
+        return
+    dialect = session.get_bind().dialect.name
+    if dialect in ("sqlite", "postgresql"):
+        insert = sqlite_insert if dialect == "sqlite" else pg_insert
+        session.execute(insert(Tenant).values(name=name, created_at=time.time())
+                        .on_conflict_do_nothing(index_elements=[Tenant.name]))
+        return
+    try:
+        with session.begin_nested():  # elsewhere: the insert in a savepoint
+            session.add(Tenant(name=name))
+    except IntegrityError:
+        if session.get(Tenant, name) is None:
+            raise
 
 
 def create_key(session: Session, tenant: str, admin: bool) -> tuple[ApiKey, str]:
@@ -34,6 +52,17 @@ def revoke_key(session: Session, key_id: str) -> bool:
         return False
     row.revoked_at = time.time()
     return True
+
+
+def revoked_among(session: Session, key_ids: Collection[str]) -> set[str]:
+    """The ids of `key_ids` that no longer authenticate: revoked, or gone from SQL."""
+    ids = [k for k in key_ids if "\x00" not in k]
+    live: set[str] = set()
+    for i in range(0, len(ids), 500):  # bounded IN lists (SQLite limits bound parameters)
+        live.update(session.scalars(
+            select(ApiKey.id).where(ApiKey.id.in_(ids[i:i + 500]), ApiKey.revoked_at.is_(None))
+        ).all())
+    return set(key_ids) - live
 
 
 def lookup(session: Session, key: str) -> Principal | None:

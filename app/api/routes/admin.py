@@ -1,11 +1,12 @@
 """Admin: the cluster view, the partitions as GeoJSON and the load balancer (SWARM §4.3): its
 configuration and state, and manual rounds, moves and splits sent to the leader coordinator
-(the protocol of app/pipeline/control.py)."""
+(the protocol of app/pipeline/control.py); the dead letters of the workers' streams."""
 
 from __future__ import annotations
 
 import logging
 import math
+import re
 import secrets
 import time
 from typing import Annotated, Any
@@ -13,9 +14,10 @@ from typing import Annotated, Any
 import msgspec
 import orjson
 import redis.asyncio as aioredis
-from fastapi import APIRouter, Body
+from fastapi import APIRouter, Body, Query, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel, Field
 from redis.exceptions import WatchError
 from sqlalchemy import select
 from starlette.concurrency import run_in_threadpool
@@ -341,3 +343,141 @@ async def rebalance(body: Annotated[RebalanceIn, Body(openapi_examples={
     reply = wire.decode_list_message(answer[1], wire.AdminReply)
     log.info("rebalance request %s (%s): %s", token, request.kind, reply)
     return _reply_response(reply)
+
+
+# --- dead letters ----------------------------------------------------------------------------
+# Entries a worker could not process (undecodable, or delivered more than max_deliveries
+# times) are moved to the stream names.DEAD_LETTER with the fields `stream` and `id` (where
+# they came from) and `why`, beside their own fields. The response models live here rather
+# than in app.schemas: only these routes use them.
+
+# A stream entry id as Redis writes it; 19 digits each stay below 2^64, so Redis never refuses
+# one as out of range (that would be its error, a 500, rather than the client's).
+_ENTRY_ID = re.compile(r"[0-9]{1,19}-[0-9]{1,19}")
+_OWN_FIELDS = (b"stream", b"id", b"why")
+# Replayed only to a worker's stream (a dead letter names its stream itself; workers never
+# dead-letter commands, which would be stale anyway).
+_WORKER_STREAMS = names.worker_stream("")
+
+# KEYS[1] the dead-letter stream, KEYS[2] the stream the entry came from; ARGV[1] the dead
+# letter's id. In one step: the entry's own fields appended to its stream as a new entry, and
+# the dead letter deleted. Answers {status} or {status, new id}.
+_REPLAY = """
+local found = redis.call('XRANGE', KEYS[1], ARGV[1], ARGV[1])
+if #found == 0 then return {404} end
+local fields, out, stream = found[1][2], {}, nil
+for i = 1, #fields, 2 do
+    local k = fields[i]
+    if k == 'stream' then stream = fields[i + 1]
+    elseif k ~= 'id' and k ~= 'why' then
+        out[#out + 1] = k
+        out[#out + 1] = fields[i + 1]
+    end
+end
+if stream ~= KEYS[2] or #out == 0 then return {409} end
+if redis.call('EXISTS', KEYS[2]) == 0 then return {410} end
+local new = redis.call('XADD', KEYS[2], '*', unpack(out))
+redis.call('XDEL', KEYS[1], ARGV[1])
+return {200, new}
+"""
+
+
+class DeadLetter(BaseModel):
+    id: str = Field(description="The dead letter's id (an entry id of the dead-letter stream).")
+    stream: str | None = Field(description="The stream the entry was read from.")
+    original_id: str | None = Field(description="The entry's id in that stream.")
+    why: str | None = Field(description="Why the worker gave up on it.")
+    time: float = Field(description="When it was dead-lettered (Unix seconds).")
+    size: int = Field(description="Bytes of the original entry: its field names and values.")
+
+
+class DeadLetterPage(BaseModel):
+    items: list[DeadLetter]
+    next_after: str | None = Field(
+        description="Pass as `after` for the next page; null when this page is the last.")
+    total: int = Field(description="Dead letters waiting, over all pages.")
+
+
+class DeadLetterReplayed(BaseModel):
+    id: str = Field(description="The dead letter, now deleted.")
+    stream: str = Field(description="The stream the entry was appended to again.")
+    entry_id: str = Field(description="The id of the new entry in that stream.")
+
+
+def _dead_letter(eid: bytes, fields: dict[bytes, bytes]) -> DeadLetter:
+    ms = int(eid.split(b"-", 1)[0])
+    return DeadLetter(
+        id=eid.decode(), stream=_decode(fields.get(b"stream")),
+        original_id=_decode(fields.get(b"id")), why=_decode(fields.get(b"why")),
+        time=ms / 1000,
+        size=sum(len(k) + len(v) for k, v in fields.items() if k not in _OWN_FIELDS))
+
+
+def _known_id(dead_letter_id: str) -> str:
+    """The id, if it can be one; any other string names no dead letter (404)."""
+    if _ENTRY_ID.fullmatch(dead_letter_id) is None:
+        raise NotFound(f"no dead letter {dead_letter_id!r}")
+    return dead_letter_id
+
+
+@router.get("/dead-letters", response_model=DeadLetterPage, responses=errors(422, *ADMIN))
+async def list_dead_letters(
+    state: StateDep, _admin: AdminDep,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+    after: Annotated[str | None, Query(
+        pattern=f"^{_ENTRY_ID.pattern}$",
+        description="List the dead letters after this id (`next_after` of the last page).",
+    )] = None,
+) -> DeadLetterPage:
+    """The entries workers gave up on, oldest first: where they came from, why, when and
+    their size."""
+    pipe = state.redis.pipeline(transaction=False)
+    pipe.xrange(names.DEAD_LETTER, min=f"({after}" if after else "-", max="+", count=limit)
+    pipe.xlen(names.DEAD_LETTER)
+    entries, total = await pipe.execute()
+    items = [_dead_letter(eid, fields) for eid, fields in entries]
+    return DeadLetterPage(items=items, total=total,
+                          next_after=items[-1].id if len(items) == limit else None)
+
+
+@router.post("/dead-letters/{dead_letter_id}/replay", response_model=DeadLetterReplayed,
+             responses=errors(404, 409, *ADMIN, descriptions={
+                 404: "No dead letter with this id.",
+                 409: "The dead letter cannot be replayed: its stream is not a worker's, no "
+                      "longer exists, or it carries no entry fields.",
+             }))
+async def replay_dead_letter(dead_letter_id: str, state: StateDep, _admin: AdminDep
+                             ) -> DeadLetterReplayed:
+    """Append the entry to the stream it came from again, and delete the dead letter, in one
+    step. An entry that fails again comes back here with a new id."""
+    did = _known_id(dead_letter_id)
+    found = await state.redis.xrange(names.DEAD_LETTER, min=did, max=did)
+    if not found:
+        raise NotFound(f"no dead letter {did!r}")
+    stream = _decode((found[0][1] or {}).get(b"stream"))
+    if stream is None or not stream.startswith(_WORKER_STREAMS):
+        raise Conflict(f"dead letter {did!r} came from {stream!r}, not a worker's stream")
+    reply = await state.redis.register_script(_REPLAY)(keys=[names.DEAD_LETTER, stream],
+                                                        args=[did])
+    status = int(reply[0])
+    if status == 404:
+        raise NotFound(f"no dead letter {did!r}")  # replayed or deleted meanwhile
+    if status == 409:
+        raise Conflict(f"dead letter {did!r} carries no entry to replay")
+    if status == 410:
+        raise Conflict(f"the stream {stream!r} of dead letter {did!r} no longer exists")
+    new_id = _decode(reply[1]) or ""
+    log.info("dead letter %s replayed to %s as %s", did, stream, new_id)
+    return DeadLetterReplayed(id=did, stream=stream, entry_id=new_id)
+
+
+@router.delete("/dead-letters/{dead_letter_id}", status_code=204,
+               responses=errors(404, *ADMIN, descriptions={404: "No dead letter with this id."}))
+async def delete_dead_letter(dead_letter_id: str, state: StateDep, _admin: AdminDep
+                             ) -> Response:
+    """Drop a dead letter for good."""
+    did = _known_id(dead_letter_id)
+    if not await state.redis.xdel(names.DEAD_LETTER, did):
+        raise NotFound(f"no dead letter {did!r}")
+    log.info("dead letter %s deleted", did)
+    return Response(status_code=204)

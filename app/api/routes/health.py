@@ -12,6 +12,7 @@ from starlette.concurrency import run_in_threadpool
 
 from app.api.deps import StateDep
 from app.api.openapi import RETRY_AFTER
+from app.core.metrics import DEAD_LETTERS
 from app.schemas import Readiness
 
 router = APIRouter(tags=["health"])
@@ -61,6 +62,7 @@ async def readyz(state: StateDep) -> Response:
     200: {"description": "Prometheus text exposition.",
           "content": {"text/plain": {"schema": {"type": "string"}}}},
 })
-async def metrics() -> Response:
+async def metrics(state: StateDep) -> Response:
     """Prometheus text exposition."""
+    await DEAD_LETTERS.refresh(state.redis)
     return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)

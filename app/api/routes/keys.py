@@ -15,7 +15,8 @@ from app.services import keys as key_service
 router = APIRouter(prefix="/v1/admin/keys", tags=["admin"], route_class=StrictJSONRoute)
 
 
-@router.post("", status_code=201, response_model=KeyCreated, responses=errors(*BODY, *ADMIN))
+@router.post("", status_code=201, response_model=KeyCreated, responses=errors(
+    *BODY, *ADMIN, 409, descriptions={409: "A key with this id exists already."}))
 async def create_key(body: KeyCreate, state: StateDep, _admin: AdminDep) -> KeyCreated:
     """Create an API key; the key is shown only once."""
 

@@ -19,31 +19,31 @@ from app.schemas import (
     subscription_spec,
 )
 from app.services import subscriptions as sub_service
-from app.services.pipeline_sql import apply_with_pipeline
+from app.services.pipeline_sql import add_with_pipeline, delete_with_pipeline
 
 router = APIRouter(prefix="/v1/subscriptions", tags=["subscriptions"], route_class=StrictJSONRoute)
 
 NOT_FOUND = {404: "No subscription with this id in the tenant."}
+DUPLICATE = {409: "A subscription with this id exists already (the message names it)."}
 # The routes return the stored dicts as they are; the models only document them.
 STORED = {"model": SubscriptionOut, "description": "The stored subscription."}
 
 
 @router.post("", status_code=201, response_model=None,
-             responses={201: STORED, **errors(*BODY, *TENANT)})
+             responses={201: STORED, **errors(*BODY, *TENANT, 409, descriptions=DUPLICATE)})
 async def create_subscription(
     body: Annotated[SubscriptionIn, Body()], state: StateDep, principal: TenantDep
 ) -> dict[str, Any]:
     """Register one continuous query."""
-    rows = await apply_with_pipeline(
-        state,
-        lambda s: sub_service.create_many(s, principal.tenant, [subscription_spec(body)]),
-        added=True,
+    rows = await add_with_pipeline(
+        state, lambda s: sub_service.create_many(s, principal.tenant, [subscription_spec(body)])
     )
     return sub_service.to_public(rows[0])
 
 
 @router.post("/batch", status_code=201, response_model=SubscriptionIds,
-             responses=errors(*BODY, *TENANT, descriptions={
+             responses=errors(*BODY, *TENANT, 409, descriptions={
+                 **DUPLICATE,
                  413: "Body over max_body_bytes, or more than max_batch subscriptions."}))
 async def create_subscriptions(
     body: SubscriptionBatch, state: StateDep, principal: TenantDep
@@ -54,8 +54,8 @@ async def create_subscriptions(
             f"batch of {len(body.subscriptions)} subscriptions is over max_batch "
             f"({state.settings.max_batch})")
     specs = [subscription_spec(s) for s in body.subscriptions]
-    rows = await apply_with_pipeline(
-        state, lambda s: sub_service.create_many(s, principal.tenant, specs), added=True
+    rows = await add_with_pipeline(
+        state, lambda s: sub_service.create_many(s, principal.tenant, specs)
     )
     return SubscriptionIds(ids=[r.id for r in rows])
 
@@ -110,12 +110,6 @@ async def get_subscription(sub_id: str, state: StateDep, principal: TenantDep) -
                responses=errors(404, *TENANT, descriptions=NOT_FOUND))
 async def delete_subscription(sub_id: str, state: StateDep, principal: TenantDep) -> Response:
     """Delete a subscription; nothing is delivered for objects accepted after the 204."""
-
-    def remove(session: Any) -> list[Any]:
-        row = sub_service.delete_one(session, principal.tenant, sub_id)
-        return [] if row is None else [row]
-
-    rows = await apply_with_pipeline(state, remove, added=False)
-    if not rows:
+    if not await delete_with_pipeline(state, principal.tenant, sub_id):
         raise NotFound(f"no subscription with id {sub_id!r}")
     return Response(status_code=204)

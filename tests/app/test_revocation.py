@@ -1,0 +1,150 @@
+"""Key revocation that holds when its pub/sub message (at most once) does not arrive: an open
+WebSocket of a key revoked without a message (in SQL directly) is closed within
+GEOSWARM_KEY_RECHECK_S; and when the hub's listener crashes it is restarted, with a logged
+error, and revocation over pub/sub works again. Against the in-process app (own settings) and
+its WebSocket route driven over ASGI; only the crash is injected."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from app.core.db import session_scope
+from app.core.redis import EmbeddedRedis
+from app.pipeline import names
+from app.services import keys as key_service
+from tests.app.asgiws import AsgiWebSocket
+from tests.conftest import InProcessServer, auth, start_inprocess
+
+BOUND_S = 1.0
+SLACK_S = 3.0  # scheduling on a busy machine; the bound itself is BOUND_S
+
+
+def create_key(s: InProcessServer, tenant: str) -> tuple[str, str]:
+    with s.http(s.admin()) as c:
+        r = c.post("/v1/admin/keys", json={"tenant": tenant})
+    assert r.status_code == 201, r.text
+    return r.json()["id"], r.json()["key"]
+
+
+def listening_socket(s: InProcessServer, key: str) -> AsgiWebSocket:
+    ws = AsgiWebSocket(s, query=f"token={key}").connect()
+    assert ws.accepted, (ws.close_code, ws.close_reason)
+    ws.send({"op": "listen", "all": True})
+    assert ws.receive()[0]["type"] == "listening"
+    return ws
+
+
+def status_with(s: InProcessServer, key: str) -> int:
+    with s.http(auth(key)) as c:
+        return c.get("/v1/subscriptions").status_code
+
+
+@pytest.fixture
+def recheck_app(tmp_path: Path, embedded_redis: EmbeddedRedis) -> Iterator[InProcessServer]:
+    with start_inprocess(tmp_path, embedded_redis.url,
+                         GEOSWARM_KEY_RECHECK_S=str(BOUND_S)) as s:
+        yield s
+
+
+@pytest.fixture
+def pubsub_only_app(tmp_path: Path, embedded_redis: EmbeddedRedis
+                    ) -> Iterator[InProcessServer]:
+    """Re-checks too rare to matter: only the pub/sub message can close a socket in time."""
+    with start_inprocess(tmp_path, embedded_redis.url, GEOSWARM_KEY_RECHECK_S="3600") as s:
+        yield s
+
+
+def test_key_revoked_without_a_message_is_refused_within_the_bound(
+        recheck_app: InProcessServer) -> None:
+    s = recheck_app
+    key_id, key = create_key(s, "lost-message")
+    kept_id, kept = create_key(s, "lost-message")
+    ws = listening_socket(s, key)
+    other = listening_socket(s, kept)
+    try:
+        # Revoked in SQL only: no pub/sub message is sent at all.
+        state = s.app.state.gs
+        with session_scope(state.sessions) as session:
+            assert key_service.revoke_key(session, key_id)
+        revoked_at = time.monotonic()
+        assert status_with(s, key) == 401  # HTTP checks SQL on every request
+        code = ws.wait_closed(BOUND_S + SLACK_S)
+        elapsed = time.monotonic() - revoked_at
+        assert code == 1008, (code, ws.close_reason)
+        assert "revoked" in ws.close_reason
+        assert elapsed <= BOUND_S + SLACK_S
+        # The socket of a key that is still valid stays open through the re-checks.
+        time.sleep(BOUND_S * 1.5)
+        assert other.close_code is None
+        other.send({"op": "listen", "all": True})
+        assert other.receive()[0]["type"] == "listening"
+        assert status_with(s, kept) == 200
+    finally:
+        ws.close()
+        other.close()
+    # A new socket with the revoked key is refused at once.
+    again = AsgiWebSocket(s, query=f"token={key}").connect()
+    assert again.close_code == 1008 or again.wait_closed(5) == 1008
+    again.close()
+
+
+def numsub(client: redis.Redis, channel: str) -> int:
+    reply: list[Any] = client.pubsub_numsub(channel)
+    return int(reply[0][1])
+
+
+def wait_until(cond: Any, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+def test_a_failing_handler_is_logged_and_the_listener_goes_on(
+        pubsub_only_app: InProcessServer, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    s = pubsub_only_app
+    hub = s.app.state.gs.hub
+    client = redis.Redis.from_url(s.redis_url)
+    try:
+        subscribed = numsub(client, names.REVOKED_CHANNEL)  # ours and other apps' hubs
+        real = hub.handle_key_revoked
+        crashes: list[str] = []
+
+        def crash_once(msg: Any) -> None:
+            crashes.append(msg.key)
+            monkeypatch.setattr(hub, "handle_key_revoked", real)
+            raise RuntimeError("injected: a handler bug")
+
+        monkeypatch.setattr(hub, "handle_key_revoked", crash_once)
+        victim_id, _victim = create_key(s, "crash")
+        with caplog.at_level(logging.ERROR, logger="app.pipeline.hub"), \
+                s.http(s.admin()) as c:
+            assert c.delete(f"/v1/admin/keys/{victim_id}").status_code == 204
+            wait_until(lambda: victim_id in crashes, 10, "the injected crash")
+            wait_until(lambda: any("handling a message on" in r.getMessage()
+                                   and r.exc_info for r in caplog.records), 10,
+                       "the logged failure")
+        assert hub._task is not None and not hub._task.done()
+        # The listener is subscribed again...
+        wait_until(lambda: numsub(client, names.REVOKED_CHANNEL) >= subscribed, 10,
+                   "the restarted listener's subscription")
+        # ...and a revocation over pub/sub closes an open socket at once.
+        key_id, key = create_key(s, "after-crash")
+        ws = listening_socket(s, key)
+        try:
+            with s.http(s.admin()) as c:
+                assert c.delete(f"/v1/admin/keys/{key_id}").status_code == 204
+            assert ws.wait_closed(10) == 1008, ws.close_reason
+        finally:
+            ws.close()
+    finally:
+        client.close()
