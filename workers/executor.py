@@ -18,6 +18,8 @@ from typing import Any
 import numpy as np
 import orjson
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from app.core.config import Settings
 from app.core.db import make_engine, make_sessionmaker
@@ -61,6 +63,7 @@ end
 return out
 """
 HISTORY_CHUNK = 4096  # history entries per script call (bounds the time Redis is busy)
+MAINTENANCE_S = 5.0  # trimming, expiry and the replay of entries left pending
 TOMBSTONE_S = 6 * 3600.0  # how long a deleted subscription id is remembered (late sub+ copies)
 
 
@@ -69,14 +72,19 @@ class Executor:
         self.settings = settings
         self.id = worker_id
         # redis-py's reply types are unions of every RESP shape; treat replies as Any here.
+        # No automatic retries: a MULTI/EXEC whose reply was lost may have committed, and
+        # sending it again would write its matches twice. A failed call ends the step instead,
+        # and the entry, still pending, is replayed against its done-marker (`_recover_pending`).
         self.redis: Any = redis.Redis.from_url(redis_url, socket_timeout=30,
-                                               socket_connect_timeout=5)
+                                               socket_connect_timeout=5,
+                                               retry=Retry(NoBackoff(), 0))
         self.stream = names.worker_stream(worker_id)
         self.index: GlobalIndex | None = None
         self.stopping = 0
         self.received = 0
         self.matched = 0
         self.last_trim = 0.0
+        self.must_recover = False  # a step failed: entries of ours may be pending
         self.touched: set[str] = set()
         self.started = time.time()
         self.knn: dict[str, KnnState] = {}
@@ -114,9 +122,13 @@ class Executor:
         log.info("worker %s ready (pid %d)", self.id, os.getpid())
         while not self.stopping:
             try:
+                if self.must_recover:
+                    self._recover_pending()
+                    self.must_recover = False
                 self._step()
-            except redis.ConnectionError as exc:
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
                 log.warning("worker %s: redis unavailable (%s); retrying", self.id, exc)
+                self.must_recover = True
                 time.sleep(0.5)
             except redis.ResponseError as exc:
                 if "NOGROUP" not in str(exc):
@@ -278,13 +290,22 @@ class Executor:
         if by_stream.get(self.stream):
             self._process(by_stream[self.stream], replay=False)
         now = time.time()
-        if now - self.last_trim > 5.0:
+        if now - self.last_trim > MAINTENANCE_S:
             self.last_trim = now
+            # Nothing of ours is pending between steps; anything that is (a step cut short, a
+            # restored Redis) is replayed now rather than when the worker restarts.
+            if self._pending_count():
+                self._recover_pending()
             self._trim(now)
             self._expire_window(now)
 
+    def _pending_count(self) -> int:
+        summary = self.redis.xpending(self.stream, names.GROUP)
+        return int(summary["pending"]) if summary else 0
+
     def _process(self, entries: list[tuple[bytes, dict[bytes, bytes]]], replay: bool) -> None:
         self.replaying = replay
+        self.pending_history = []  # what a step cut short queued is written by its replay
         ids = [e[0] for e in entries]
         if replay:
             done = self.redis.mget([names.done_key(self.id, i.decode()) for i in ids])

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import redis
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry as AsyncRetry
+from redis.backoff import ExponentialWithJitterBackoff
 
 from app.core.config import Settings
 
@@ -158,9 +160,15 @@ def resolve_redis_url(settings: Settings) -> tuple[str, EmbeddedRedis | None]:
 
 
 def async_client(url: str) -> aioredis.Redis:
+    """The api's client. A call whose connection breaks is sent again (3 times, quickly): every
+    write of the api is idempotent (a publish carries its guard key, subscription messages are
+    applied once by the workers), so a call that took effect before its reply was lost is not
+    applied twice, and the client gets its answer instead of a 503."""
     return aioredis.Redis.from_url(
         url, socket_connect_timeout=2, socket_timeout=10, health_check_interval=15,
         max_connections=512, decode_responses=False,
+        retry=AsyncRetry(ExponentialWithJitterBackoff(base=0.02, cap=0.5), 3),
+        retry_on_error=[redis.ConnectionError, redis.TimeoutError],
     )
 
 

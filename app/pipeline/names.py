@@ -67,6 +67,18 @@ def positions_key(tenant: str) -> str:
     return f"{POSITIONS_PREFIX}{tenant}"
 
 
+def ws_slots_key(tenant: str) -> str:
+    """Sorted set: one member per open WebSocket of the tenant (any api process), scored by
+    when it expires unless its process renews it (ms of Redis time)."""
+    return f"gs:quota:ws:{tenant}"
+
+
+def publish_bucket_key(tenant: str) -> str:
+    """The tenant's publish-rate bucket: when its published objects will have been paid for
+    at the quota's rate (ms of Redis time)."""
+    return f"gs:quota:pub:{tenant}"
+
+
 def records_key(tenant: str, bucket: int) -> str:
     """Hash: record id -> the public JSON of a matched record, stored once per record."""
     return f"gs:rec:{tenant}:{bucket}"
@@ -92,3 +104,8 @@ def reply_key(token: str) -> str:
 
 def rate_key(key_id: str, window: int) -> str:
     return f"gs:rl:{key_id}:{window}"
+
+
+def publish_guard_key(token: str) -> str:
+    """Set by the first application of one publish: a repeated call is then a no-op."""
+    return f"gs:pub:{token}"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 import zlib
 from pathlib import Path
@@ -25,31 +26,74 @@ from app.pipeline.cluster import ALLOCATE_IDS_SCRIPT, live_workers, load_plan, p
 
 log = logging.getLogger(__name__)
 
-# Last-writer-wins by ts for moving objects (CheetahGIS's Transformer). ARGV holds triples
-# (id, ts, packed record); the reply holds, per record, 1 if it is now the latest and the
-# previously stored packed record (or false).
-LWW_SCRIPT = """
-local out = {}
-for i = 1, #ARGV, 3 do
-  local id, ts, packed = ARGV[i], tonumber(ARGV[i + 1]), ARGV[i + 2]
-  local old = redis.call('HGET', KEYS[1], id)
-  if not old then
-    redis.call('HSET', KEYS[1], id, packed)
-    out[#out + 1] = 1
-    out[#out + 1] = false
-  else
-    local o = cmsgpack.unpack(old)
-    if ts >= o[1] then
-      redis.call('HSET', KEYS[1], id, packed)
-      out[#out + 1] = 1
-    else
-      out[#out + 1] = 0
-    end
-    out[#out + 1] = old
+# One publish, all or nothing: the latest positions of its moving objects (last writer wins
+# by ts, CheetahGIS's Transformer) are written together with the stream entries routed from
+# them, and only if no other publish changed those positions since `Router.publish` read them
+# (else nothing is written and it reads again). The guard key makes a call the client library
+# sends again after a lost reply a no-op, so a publish is applied once.
+# KEYS: guard, positions hash, the worker streams. ARGV: guard ttl, n, then n triples (object
+# id, its packed position as read or '' for none, the packed position to store or '' to keep
+# it), then one stream entry per stream. Returns 1 when applied (now or before), 0 when a
+# position changed meanwhile.
+PUBLISH_SCRIPT = """
+if not redis.call('SET', KEYS[1], '1', 'NX', 'EX', ARGV[1]) then return 1 end
+local n = tonumber(ARGV[2])
+for i = 0, n - 1 do
+  if (redis.call('HGET', KEYS[2], ARGV[3 + 3 * i]) or '') ~= ARGV[4 + 3 * i] then
+    redis.call('DEL', KEYS[1])
+    return 0
   end
 end
-return out
+for i = 0, n - 1 do
+  local new = ARGV[5 + 3 * i]
+  if new ~= '' then redis.call('HSET', KEYS[2], ARGV[3 + 3 * i], new) end
+end
+local base = 3 + 3 * n
+for s = 3, #KEYS do
+  redis.call('XADD', KEYS[s], '*', 'm', ARGV[base + s - 3])
+end
+return 1
 """
+PUBLISH_ATTEMPTS = 20  # publishes of the same objects racing: each attempt reads again
+PUBLISH_GUARD_TTL_S = 300
+
+
+class PublishContention(Exception):
+    """Other publishes kept changing the positions this one routes by."""
+
+
+def last_writer_wins(batch: records.RecordBatch, moving_rows: list[int],
+                     stored: dict[str, bytes | None]
+                     ) -> tuple[list[tuple[float, float] | None], list[bool],
+                                list[tuple[str, bytes, bytes]]]:
+    """The rows in order against the stored latest positions (`stored`, by object id): each
+    moving record's previous position, whether it is late (older than the latest: no position
+    change), and per object (id, position read, position to store or b'' to keep it)."""
+    n = batch.size
+    prev: list[tuple[float, float] | None] = [None] * n
+    late = [False] * n
+    current = dict(stored)
+    latest_ts: dict[str, float] = {}
+    for i in moving_rows:
+        oid = batch.ids[i]
+        old = current[oid]
+        if old is not None:
+            if oid not in latest_ts:
+                latest_ts[oid], plon, plat, _kws, _props = records.unpack_position(old)
+            else:
+                _ts, plon, plat, _kws, _props = records.unpack_position(old)
+            prev[i] = (plon, plat)
+            if batch.ts[i] < latest_ts[oid]:
+                late[i] = True
+                continue
+        current[oid] = records.pack_position(batch.ts[i], batch.lon[i], batch.lat[i],
+                                             batch.keywords[i], batch.props[i])
+        latest_ts[oid] = batch.ts[i]
+    checks = []
+    for oid, read in stored.items():
+        new = current[oid]
+        checks.append((oid, read or b"", new if new is not None and new != read else b""))
+    return prev, late, checks
 
 
 def subscription_message(row: Subscription) -> wire.SubscriptionCopy:
@@ -106,7 +150,7 @@ class Router:
         self.settings = settings
         self.redis = redis
         self.index: GlobalIndex | None = None
-        self._lww = redis.register_script(LWW_SCRIPT)
+        self._publish = redis.register_script(PUBLISH_SCRIPT)
         self._plan_checked = 0.0
         self._lock = asyncio.Lock()
         self.replicated = settings.partitioning == "replicated"
@@ -138,25 +182,34 @@ class Router:
 
     # --- objects -------------------------------------------------------------------------
     async def publish(self, batch: records.RecordBatch) -> None:
-        index = await self.current_index()
         n = batch.size
         rids = records.new_record_ids(n)
-        prev: list[tuple[float, float] | None] = [None] * n
-        late = [False] * n
         moving_rows = [i for i in range(n) if batch.moving[i]]
-        if moving_rows:
-            args: list[Any] = []
-            for i in moving_rows:
-                packed = records.pack_position(batch.ts[i], batch.lon[i], batch.lat[i],
-                                               batch.keywords[i], batch.props[i])
-                args += [batch.ids[i], repr(batch.ts[i]), packed]
-            reply = await self._lww(keys=[names.positions_key(batch.tenant)], args=args)
-            for j, i in enumerate(moving_rows):
-                is_latest, old = reply[2 * j], reply[2 * j + 1]
-                if old:
-                    _ts, plon, plat, _kws, _props = records.unpack_position(old)
-                    prev[i] = (plon, plat)
-                late[i] = not is_latest
+        moving_ids = list(dict.fromkeys(batch.ids[i] for i in moving_rows))
+        pos_key = names.positions_key(batch.tenant)
+        guard = names.publish_guard_key(secrets.token_hex(12))
+        for _attempt in range(PUBLISH_ATTEMPTS):
+            index = await self.current_index()
+            stored: dict[str, bytes | None] = {}
+            if moving_ids:
+                raw = await self.redis.hmget(pos_key, moving_ids)
+                stored = {oid: v if v is None or isinstance(v, bytes) else v.encode()
+                          for oid, v in zip(moving_ids, raw, strict=True)}
+            prev, late, checks = last_writer_wins(batch, moving_rows, stored)
+            streams, entries = self._route(index, batch, rids, prev, late, moving_rows)
+            args: list[Any] = [PUBLISH_GUARD_TTL_S, len(checks)]
+            for oid, read, new in checks:
+                args += [oid, read, new]
+            if await self._publish(keys=[guard, pos_key, *streams], args=[*args, *entries]):
+                return
+        raise PublishContention(f"the positions of {len(moving_ids)} objects kept changing "
+                                f"under {PUBLISH_ATTEMPTS} attempts to publish them")
+
+    def _route(self, index: GlobalIndex, batch: records.RecordBatch, rids: list[str],
+               prev: list[tuple[float, float] | None], late: list[bool],
+               moving_rows: list[int]) -> tuple[list[str], list[bytes]]:
+        """The worker streams of a batch and the entry for each."""
+        n = batch.size
         rows_by_worker: dict[int, list[int]] = {}
         decide_exit = [False] * n
         extra: list[tuple[int, int]] = []  # (worker, row) exit-only copies
@@ -174,18 +227,20 @@ class Router:
                                      decide_exit, extra)
         whole = records.object_batch(batch, rids, prev, late, decide_exit, time.time(),
                                      index.version)
-        pipe = self.redis.pipeline(transaction=True)
+        streams: list[str] = []
+        entries: list[bytes] = []
         for w, rows in rows_by_worker.items():
-            entry = whole.take(rows)
-            pipe.xadd(names.worker_stream(index.workers[w]), {b"m": wire.encode_entry(entry)})
+            streams.append(names.worker_stream(index.workers[w]))
+            entries.append(wire.encode_entry(whole.take(rows)))
         by_w: dict[int, list[int]] = {}
         for w, i in extra:
             by_w.setdefault(w, []).append(i)
         for w, rows in by_w.items():  # exit-only copies: the receiver only decides `exit`
             entry = whole.take(rows)
             entry.exit_only = entry.decide_exit = [True] * len(rows)
-            pipe.xadd(names.worker_stream(index.workers[w]), {b"m": wire.encode_entry(entry)})
-        await pipe.execute()
+            streams.append(names.worker_stream(index.workers[w]))
+            entries.append(wire.encode_entry(entry))
+        return streams, entries
 
     @staticmethod
     def _route_by_partition(index: GlobalIndex, batch: records.RecordBatch,

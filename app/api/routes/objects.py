@@ -12,11 +12,12 @@ from pydantic import TypeAdapter, ValidationError
 
 from app.api.deps import StateDep, StrictJSONRoute, TenantDep
 from app.api.openapi import BODY, REF_PREFIX, TENANT, errors
-from app.core.errors import BadRequest, NotFound, PayloadTooLarge
+from app.core.errors import BadRequest, NotFound, PayloadTooLarge, Unavailable
 from app.core.metrics import OBJECTS_ACCEPTED, PUBLISH_SECONDS
 from app.core.state import require_plan
 from app.geo.tokenize import normalize_keywords, tokenize
 from app.pipeline.records import RecordBatch, new_event_ids
+from app.pipeline.router import PublishContention
 from app.schemas import ObjectBatch, ObjectIn, ObjectOut, ObjectsAccepted
 
 router = APIRouter(prefix="/v1/objects", tags=["objects"], route_class=StrictJSONRoute)
@@ -129,8 +130,8 @@ def to_records(objs: list[ObjectIn], tenant: str, now: float) -> RecordBatch:
 @router.post("", status_code=202, response_model=ObjectsAccepted, openapi_extra=_BODY_DOC,
              responses=errors(*BODY, *TENANT, descriptions={
                  413: "Body over max_body_bytes, or more than max_batch objects.",
-                 503: "Redis or the database unavailable, or no partition plan yet (no "
-                      "worker has started)."}))
+                 503: "Redis or the database unavailable, no partition plan yet (no "
+                      "worker has started), or other publishes kept moving the same objects."}))
 async def publish(request: Request, state: StateDep, principal: TenantDep) -> ObjectsAccepted:
     """Publish a batch of objects; 202 once the whole batch is durably queued."""
     started = time.perf_counter()
@@ -139,7 +140,10 @@ async def publish(request: Request, state: StateDep, principal: TenantDep) -> Ob
     batch = to_records(objs, principal.tenant, time.time())
     await require_plan(state)
     assert state.router is not None
-    await state.router.publish(batch)
+    try:
+        await state.router.publish(batch)
+    except PublishContention as exc:
+        raise Unavailable(f"{exc}; retry", headers={"Retry-After": "1"}) from exc
     OBJECTS_ACCEPTED.inc(batch.size)
     PUBLISH_SECONDS.observe(time.perf_counter() - started)
     return ObjectsAccepted(accepted=batch.size, ids=batch.ids)

@@ -1,0 +1,222 @@
+"""Exactly once through Redis faults, against the brute-force oracle, with real api and worker
+processes: Redis SIGKILLed and restarted on its AOF while workers have a backlog, and a proxy
+that cuts connections after a transaction or script is sent and before its reply comes back
+(so that a client which sends the call again would apply it twice)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import signal
+import socket
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from app.core.config import Settings
+from app.core.redis import EmbeddedRedis, restart_embedded_redis, start_embedded_redis
+from tests.conftest import LiveServer, auth, start_server
+from tests.workers.harness import replay_all
+from tests.workers.oracle import Oracle, received_matches
+from tests.workers.test_pipeline import assert_exact, create_subs, random_objects, random_subs
+
+pytestmark = pytest.mark.slow
+
+
+async def history_matches(client: httpx.AsyncClient, key: str, ids: list[str]
+                          ) -> Counter[Any]:
+    items: list[dict[str, Any]] = []
+    for sid in ids:
+        items += await replay_all(client, sid, auth(key))
+    return received_matches(items)
+
+
+async def wait_exact(client: httpx.AsyncClient, key: str, ids: list[str], oracle: Oracle,
+                     timeout: float) -> None:
+    """Poll the histories until they hold as many matches as the oracle expects, then check
+    they hold exactly those (a duplicate shows up as a count above the oracle's)."""
+    deadline = time.monotonic() + timeout
+    got: Counter[Any] = Counter()
+    while time.monotonic() < deadline:
+        got = await history_matches(client, key, ids)
+        if sum(got.values()) >= oracle.total():
+            break
+        await asyncio.sleep(0.5)
+    await asyncio.sleep(1.0)  # anything extra would arrive now
+    assert_exact(await history_matches(client, key, ids), oracle)
+
+
+# --- Redis SIGKILLed and restarted ----------------------------------------------------------
+
+@pytest.fixture
+def own_redis(tmp_path: Path) -> Iterator[tuple[Settings, list[EmbeddedRedis]]]:
+    """A redis-server of this test only (AOF, appendfsync everysec), to kill and restart."""
+    settings = Settings(data_dir=tmp_path / "redis-data")
+    servers = [start_embedded_redis(settings)]
+    yield settings, servers
+    servers[-1].stop()
+
+
+async def _redis_killed(server: LiveServer, settings: Settings,
+                        servers: list[EmbeddedRedis]) -> None:
+    rng = random.Random(7)
+    key = server.new_key()
+    oracle = Oracle()
+    async with httpx.AsyncClient(base_url=server.base_url, timeout=30) as client:
+        ids = await create_subs(client, key, random_subs(rng, 60), oracle)
+        movers = [f"m{i}" for i in range(30)]
+        clock = [1_700_000_000.0]
+        # A backlog queued while the workers are stopped; they resume, read it (entries now
+        # pending) and Redis dies under them.
+        workers = [server.procs[w] for w in ("w0", "w1")]
+        for proc in workers:
+            proc.send_signal(signal.SIGSTOP)
+        for _ in range(12):
+            objs = random_objects(rng, 400, movers, clock)
+            r = await client.post("/v1/objects", json={"objects": objs}, headers=auth(key))
+            assert r.status_code == 202, r.text
+            oracle.publish(objs, r.json()["ids"])
+        for proc in workers:
+            proc.send_signal(signal.SIGCONT)
+        await asyncio.sleep(0.15)
+        servers[-1].process.send_signal(signal.SIGKILL)
+        servers[-1].process.wait()
+        # While Redis is down, a publish is refused and changes nothing.
+        r = await client.post("/v1/objects", headers=auth(key),
+                              json={"objects": random_objects(rng, 10, movers, [clock[0]])})
+        assert r.status_code == 503, r.text
+        assert "retry-after" in r.headers
+        await asyncio.sleep(3)
+        servers.append(restart_embedded_redis(settings, servers[-1]))
+        # The system recovers by itself, and what comes after is matched too.
+        deadline = time.monotonic() + 30
+        while True:
+            objs = random_objects(rng, 50, movers, clock)
+            r = await client.post("/v1/objects", json={"objects": objs}, headers=auth(key))
+            if r.status_code == 202:
+                oracle.publish(objs, r.json()["ids"])
+                break
+            assert r.status_code == 503 and time.monotonic() < deadline, r.text
+            await asyncio.sleep(0.5)
+        for _ in range(4):
+            objs = random_objects(rng, 50, movers, clock)
+            r = await client.post("/v1/objects", json={"objects": objs}, headers=auth(key))
+            assert r.status_code == 202, r.text
+            oracle.publish(objs, r.json()["ids"])
+        assert oracle.total() > 1000
+        await wait_exact(client, key, ids, oracle, timeout=120)
+
+
+def test_redis_sigkill_and_restart_lose_and_duplicate_nothing(
+        tmp_path: Path, own_redis: tuple[Settings, list[EmbeddedRedis]]) -> None:
+    settings, servers = own_redis
+    server = start_server(tmp_path / "cluster", servers[0].url, workers=2)
+    try:
+        server.wait_workers(2)
+        asyncio.run(_redis_killed(server, settings, servers))
+    finally:
+        server.stop()
+
+
+# --- replies lost after the call was applied ------------------------------------------------
+
+class CuttingProxy:
+    """A TCP proxy to Redis that, for every `every`-th call sent as a transaction (EXEC) or a
+    script (EVALSHA), forwards the call, lets Redis apply it, then closes the connection
+    without the reply: the client sees a connection error for a call that took effect."""
+
+    def __init__(self, target_port: int, every: int, most: int) -> None:
+        self.target_port = target_port
+        self.every = every
+        self.most = most
+        self.seen = 0
+        self.cuts = 0
+        self.lock = threading.Lock()
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.stopped = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self.stopped:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(("127.0.0.1", self.target_port))
+            threading.Thread(target=self._pump, args=(client, upstream, True),
+                             daemon=True).start()
+            threading.Thread(target=self._pump, args=(upstream, client, False),
+                             daemon=True).start()
+
+    def _cut_now(self, data: bytes) -> bool:
+        if b"\r\nEXEC\r\n" not in data and b"\r\nEVALSHA\r\n" not in data.upper():
+            return False
+        with self.lock:
+            self.seen += 1
+            if self.cuts < self.most and self.seen % self.every == 0:
+                self.cuts += 1
+                return True
+        return False
+
+    def _pump(self, src: socket.socket, dst: socket.socket, from_client: bool) -> None:
+        try:
+            while True:
+                data = src.recv(65536)
+                if not data:
+                    break
+                dst.sendall(data)
+                if from_client and self._cut_now(data):
+                    time.sleep(0.05)  # Redis applies the call; its reply is never passed on
+                    break
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+                s.close()
+
+    def close(self) -> None:
+        self.stopped = True
+        self.listener.close()
+
+
+async def _lost_replies(server: LiveServer, proxy: CuttingProxy) -> None:
+    rng = random.Random(11)
+    key = server.new_key()
+    oracle = Oracle()
+    async with httpx.AsyncClient(base_url=server.base_url, timeout=60) as client:
+        ids = await create_subs(client, key, random_subs(rng, 60), oracle)
+        movers = [f"m{i}" for i in range(20)]
+        clock = [1_700_000_000.0]
+        for _ in range(40):
+            objs = random_objects(rng, 60, movers, clock)
+            r = await client.post("/v1/objects", json={"objects": objs}, headers=auth(key))
+            if r.status_code == 202:
+                oracle.publish(objs, r.json()["ids"])
+            else:  # a publish the api could not complete must have changed nothing
+                assert r.status_code == 503, r.text
+        await wait_exact(client, key, ids, oracle, timeout=120)
+    assert proxy.cuts >= 10, proxy.cuts  # the faults really happened
+
+
+def test_replies_lost_after_commit_apply_once(tmp_path: Path, embedded_redis: EmbeddedRedis
+                                              ) -> None:
+    port = int(embedded_redis.url.rsplit(":", 1)[1].split("/", 1)[0])
+    proxy = CuttingProxy(port, every=9, most=25)
+    server = start_server(tmp_path, f"redis://127.0.0.1:{proxy.port}/0", workers=2)
+    try:
+        server.wait_workers(2)
+        asyncio.run(_lost_replies(server, proxy))
+    finally:
+        server.stop()
+        proxy.close()
