@@ -118,7 +118,7 @@ class Executor:
         self._heartbeat()
         beat = threading.Thread(target=self._heartbeat_loop, daemon=True)
         beat.start()
-        self._recover_pending()
+        self._recover_pending(after_crash=True)
         log.info("worker %s ready (pid %d)", self.id, os.getpid())
         while not self.stopping:
             try:
@@ -251,30 +251,31 @@ class Executor:
             time.sleep(self.settings.worker_heartbeat_s)
 
     # --- the stream ----------------------------------------------------------------------
-    def _recover_pending(self) -> None:
-        """Reclaim entries left pending by an earlier incarnation (XAUTOCLAIM) and process
-        them, skipping those whose matches were already written and dead-lettering entries
-        delivered too often. Commands pending from before a crash are dropped: their sender
-        has timed out and decided without this worker."""
+    def _recover_pending(self, after_crash: bool = False) -> None:
+        """Reclaim entries left pending (XAUTOCLAIM) and process them, skipping those whose
+        matches were already written. Commands left pending are dropped: their sender has
+        timed out and decided without this worker.
+
+        After a crash (at start), an entry may be what crashed the worker: the entries are then
+        taken one at a time, so that each counts its own deliveries, and only an entry
+        delivered more than `max_deliveries` times goes to the dead letters, not the healthy
+        entries read in the same batch. Entries left pending by a Redis failure in a running
+        worker did nothing wrong: they are replayed in batches and never dead-lettered."""
         while True:
             reply = self.redis.xreadgroup(names.GROUP, self.id, {self.cmd_stream: "0"}, count=500)
             stale = [e[0] for e in (reply[0][1] if reply else [])]
             if not stale:
                 break
             self.redis.xack(self.cmd_stream, names.GROUP, *stale)
-        start = "0-0"
-        while True:
-            reply = self.redis.xautoclaim(self.stream, names.GROUP, self.id, min_idle_time=0,
-                                          start_id=start, count=500)
-            start = reply[0].decode() if isinstance(reply[0], bytes) else reply[0]
-            if start in ("0-0", "0"):
-                break
+        self._claim_others()
         while not self.stopping:
-            reply = self.redis.xreadgroup(names.GROUP, self.id, {self.stream: "0"}, count=200)
+            # Reading pending entries counts a delivery of each entry read.
+            reply = self.redis.xreadgroup(names.GROUP, self.id, {self.stream: "0"},
+                                          count=1 if after_crash else 200)
             entries = reply[0][1] if reply else []
             if not entries:
                 return
-            self._process(entries, replay=True)
+            self._process(entries, replay=True, after_crash=after_crash)
 
     def _step(self) -> None:
         # Commands are read in the same call as objects: an idle worker wakes at once, a busy
@@ -299,17 +300,36 @@ class Executor:
             self._trim(now)
             self._expire_window(now)
 
+    def _claim_others(self) -> None:
+        """Take over entries pending under another consumer name of this stream (JUSTID:
+        claiming counts no delivery; reading them does)."""
+        summary = self.redis.xpending(self.stream, names.GROUP)
+        for c in (summary or {}).get("consumers") or []:
+            name = c["name"].decode() if isinstance(c["name"], bytes) else c["name"]
+            if name == self.id or not int(c["pending"]):
+                continue
+            rows = self.redis.xpending_range(self.stream, names.GROUP, min="-", max="+",
+                                             count=int(c["pending"]), consumername=name)
+            ids = [r["message_id"] for r in rows]
+            for a in range(0, len(ids), 500):
+                self.redis.xclaim(self.stream, names.GROUP, self.id, min_idle_time=0,
+                                  message_ids=ids[a:a + 500], justid=True)
+
     def _pending_count(self) -> int:
         summary = self.redis.xpending(self.stream, names.GROUP)
         return int(summary["pending"]) if summary else 0
 
-    def _process(self, entries: list[tuple[bytes, dict[bytes, bytes]]], replay: bool) -> None:
-        self.replaying = replay
+    def _process(self, entries: list[tuple[bytes, dict[bytes, bytes]]], replay: bool,
+                 after_crash: bool = False) -> None:
+        """Match, write and acknowledge entries read from the stream. `replay`: they were read
+        before (skip those whose matches are written); `after_crash`: by an earlier process
+        (dead-letter those delivered too often; see `_recover_pending`)."""
+        self.replaying = after_crash
         self.pending_history = []  # what a step cut short queued is written by its replay
         ids = [e[0] for e in entries]
         if replay:
             done = self.redis.mget([names.done_key(self.id, i.decode()) for i in ids])
-            counts = self._delivery_counts(ids)
+            counts = self._delivery_counts(ids) if after_crash else {}
             keep = []
             for (eid, fields), d in zip(entries, done, strict=True):
                 if d is not None:

@@ -206,13 +206,13 @@ async def _lost_replies(server: LiveServer, proxy: CuttingProxy) -> None:
             else:  # a publish the api could not complete must have changed nothing
                 assert r.status_code == 503, r.text
         await wait_exact(client, key, ids, oracle, timeout=120)
-    assert proxy.cuts >= 10, proxy.cuts  # the faults really happened
+    assert proxy.cuts >= 5, proxy.cuts  # the faults really happened
 
 
 def test_replies_lost_after_commit_apply_once(tmp_path: Path, embedded_redis: EmbeddedRedis
                                               ) -> None:
     port = int(embedded_redis.url.rsplit(":", 1)[1].split("/", 1)[0])
-    proxy = CuttingProxy(port, every=9, most=25)
+    proxy = CuttingProxy(port, every=6, most=25)
     server = start_server(tmp_path, f"redis://127.0.0.1:{proxy.port}/0", workers=2)
     try:
         server.wait_workers(2)
