@@ -34,6 +34,7 @@ from app.core.state import AppState
 from app.pipeline.expiry import expiry_loop
 from app.pipeline.hub import Hub
 from app.pipeline.router import Router
+from app.services.quotas import slot_renew_loop
 from app.services.revocation import key_recheck_loop
 
 try:
@@ -286,6 +287,7 @@ def create_app(settings: Settings | None = None, redis_url: str | None = None) -
         await state.hub.start()
         expiry = asyncio.create_task(expiry_loop(state), name="expiry")
         recheck = asyncio.create_task(key_recheck_loop(state), name="key-recheck")
+        renew = asyncio.create_task(slot_renew_loop(state), name="ws-slot-renew")
         try:
             yield
         finally:
@@ -293,9 +295,10 @@ def create_app(settings: Settings | None = None, redis_url: str | None = None) -
             expiry.cancel()
             with contextlib.suppress(asyncio.CancelledError, TimeoutError):
                 await asyncio.wait_for(expiry, 5)
-            recheck.cancel()
-            with contextlib.suppress(asyncio.CancelledError, TimeoutError, Exception):
-                await asyncio.wait_for(recheck, 5)
+            for task in (recheck, renew):
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, TimeoutError, Exception):
+                    await asyncio.wait_for(task, 5)
             await state.hub.stop()
             try:
                 await asyncio.wait_for(client.aclose(), 5)

@@ -68,6 +68,8 @@ class Settings(BaseSettings):
     history_max_len: int = 1_000
     history_max_age_s: float = 120.0
     ws_queue_max: int = 50_000
+    # the same bound in bytes, 0: none (a few big matches fill memory long before 50 000 small)
+    ws_queue_max_bytes: int = 16 * 1024 * 1024
     ws_ping_s: float = 20.0
     # a client whose oldest unread match has waited this long is closed (1013); quiet
     # subscriptions never count, since nothing of theirs is unread
@@ -80,6 +82,14 @@ class Settings(BaseSettings):
     workers: Annotated[list[str], NoDecode] = ["w0", "w1"]  # executor ids of the initial plan
     worker_heartbeat_s: float = 1.0
     worker_dead_after_s: float = 5.0
+
+    # --- per-tenant quotas (0: unlimited) -----------------------------------------
+    tenant_max_subscriptions: int = 100_000  # live subscriptions of one tenant
+    tenant_max_connections: int = 1_000  # open WebSockets of one tenant, over all api processes
+    tenant_publish_per_s: int = 100_000  # objects one tenant publishes per second
+    # a WebSocket's slot in its tenant's count lives this long in Redis unless its api process
+    # renews it (every third of it): a crashed process's slots are free again after this
+    ws_slot_ttl_s: float = 30.0
 
     @field_validator("bounds", mode="before")
     @classmethod
@@ -114,6 +124,15 @@ class Settings(BaseSettings):
             raise ValueError("grid must be C1xC2 with 1 ≤ C ≤ 10000")
         if self.auth_fail_window_s <= 0 or self.key_recheck_s <= 0:
             raise ValueError("auth_fail_window_s and key_recheck_s must be positive")
+        if self.ws_slot_ttl_s <= 0:
+            raise ValueError("ws_slot_ttl_s must be positive")
+        quotas = {"tenant_max_subscriptions": self.tenant_max_subscriptions,
+                  "tenant_max_connections": self.tenant_max_connections,
+                  "tenant_publish_per_s": self.tenant_publish_per_s,
+                  "ws_queue_max_bytes": self.ws_queue_max_bytes}
+        negative = [name for name, value in quotas.items() if value < 0]
+        if negative:
+            raise ValueError(f"{negative[0]} must be 0 or more")
         if self.environment == "production":
             self._check_production_secrets()
         return self

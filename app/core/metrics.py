@@ -25,6 +25,8 @@ WS_CONNECTIONS = Gauge("geoswarm_ws_connections", "Open WebSocket connections")
 WS_MESSAGES = Counter("geoswarm_ws_messages_total", "Messages sent to WebSocket clients",
                       ["path"])
 WS_CLOSED = Counter("geoswarm_ws_closed_total", "WebSockets closed by the server", ["code"])
+QUOTA_REFUSED = Counter("geoswarm_quota_refused_total", "Requests refused by a tenant quota",
+                        ["quota"])
 
 
 class DeadLetters(Collector):

@@ -4,7 +4,17 @@ from __future__ import annotations
 
 import time
 
-from sqlalchemy import JSON, Boolean, Float, ForeignKey, Index, Integer, MetaData, String
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+)
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 NAMING = {
@@ -47,8 +57,10 @@ class Subscription(CreatedAtMixin, Model):
         Index("ix_subscriptions_expires_at", "expires_at"),
     )
 
-    # seq orders the cursor pagination; id is the opaque public id.
-    seq: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    # seq orders the cursor pagination; id is the opaque public id. 64-bit: on SQLite an
+    # INTEGER primary key is the (64-bit) rowid already, and must stay INTEGER to remain it.
+    seq: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"),
+                                     primary_key=True, autoincrement=True)
     id: Mapped[str] = mapped_column(String(40), unique=True, nullable=False)
     tenant: Mapped[str] = mapped_column(ForeignKey("tenants.name"), nullable=False)
     type: Mapped[str] = mapped_column(String(16), nullable=False)

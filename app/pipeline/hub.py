@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
@@ -258,6 +259,32 @@ class ConnectionClosed(Exception):
         self.reason = reason
 
 
+class Outbox:
+    """The messages waiting in memory for one connection, and their size in bytes (both are
+    bounded: ws_queue_max, ws_queue_max_bytes)."""
+
+    __slots__ = ("lines", "bytes")
+
+    def __init__(self) -> None:
+        self.lines: list[bytes] = []
+        self.bytes = 0
+
+    def append(self, line: bytes) -> None:
+        self.lines.append(line)
+        self.bytes += len(line)
+
+    def extend(self, lines: list[bytes], size: int | None = None) -> None:
+        self.lines.extend(lines)
+        self.bytes += sum(map(len, lines)) if size is None else size
+
+    def take(self) -> list[bytes]:
+        lines, self.lines, self.bytes = self.lines, [], 0
+        return lines
+
+    def __len__(self) -> int:
+        return len(self.lines)
+
+
 @dataclass(eq=False)
 class Connection:
     transport: Transport
@@ -272,8 +299,9 @@ class Connection:
     excluded: set[str] = field(default_factory=set)
     dirty: set[str] = field(default_factory=set)
     wake: asyncio.Event = field(default_factory=asyncio.Event)
-    outbox: list[bytes] = field(default_factory=list)
+    outbox: Outbox = field(default_factory=Outbox)
     closed: tuple[int, str] | None = None
+    slot: str | None = None  # its slot in the tenant's connection quota (services.quotas)
 
     def mark(self, subs: Iterable[str]) -> None:
         self.dirty.update(subs)
@@ -387,6 +415,7 @@ class Hub:
         records = note.records
         all_conns = self.all_by_tenant.get(tenant, ())
         limit = self.settings.ws_queue_max
+        limit_bytes = self.settings.ws_queue_max_bytes or math.inf
         for sub, prev_id, eid, packed in note.entries:
             conns = self.by_sub.get(sub)
             if not conns and not all_conns:
@@ -394,6 +423,7 @@ class Hub:
             prev = parse_entry_id(prev_id)
             key = parse_entry_id(eid)
             lines: list[bytes] | None = None
+            size = 0
             last_index = 0
             for conn in (*(conns or ()), *all_conns):
                 pos = conn.positions.get(sub)
@@ -411,14 +441,17 @@ class Hub:
                 if lines is None:
                     refs = wire.decode_refs(packed)
                     lines = render_matches(orjson.dumps(sub), eid, refs, records)
+                    size = sum(map(len, lines))
                     last_index = max(0, len(refs.record_ids) - 1)
-                if len(conn.outbox) + len(lines) > limit:
-                    # The in-memory queue is full: this client reads from the history
-                    # stream at its own pace instead (and is closed if it falls too far).
+                if (len(conn.outbox) + len(lines) > limit
+                        or conn.outbox.bytes + size > limit_bytes):
+                    # The in-memory queue is full (in messages or in bytes): this client reads
+                    # from the history stream at its own pace instead (and is closed if it
+                    # falls too far behind).
                     conn.mark((sub,))
                     continue
                 conn.positions[sub] = (key[0], key[1], last_index)
-                conn.outbox.extend(lines)
+                conn.outbox.extend(lines, size)
                 WS_MESSAGES.labels("push").inc(len(lines))
                 conn.wake.set()
 
@@ -487,8 +520,7 @@ class Hub:
             if conn.closed is not None:
                 break
             if conn.outbox:
-                lines, conn.outbox = conn.outbox, []
-                await self._send(conn, lines)
+                await self._send(conn, conn.outbox.take())
             subs = list(conn.dirty)
             conn.dirty.clear()
             if conn.listen_all_from is not None:
@@ -520,6 +552,10 @@ class Hub:
                 if batch.full:
                     conn.mark((sub,))
             if lines:
+                if conn.outbox:
+                    # Pushed while the pump was busy (a send the client was slow to take):
+                    # it comes before what was read, which starts where the pushes ended.
+                    await self._send(conn, conn.outbox.take())
                 WS_MESSAGES.labels("read").inc(len(lines))
                 await self._send(conn, lines)
 

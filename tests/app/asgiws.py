@@ -16,8 +16,11 @@ from tests.conftest import InProcessServer
 class AsgiWebSocket:
     def __init__(self, server: InProcessServer, query: str = "",
                  headers: dict[str, str] | None = None, path: str = "/v1/stream",
-                 client: tuple[str, int] = ("127.0.0.1", 40000)) -> None:
+                 client: tuple[str, int] = ("127.0.0.1", 40000), max_frames: int = 0) -> None:
+        """`max_frames`: the frames the client holds unread before the app's send blocks (as
+        a socket's buffers fill when a client stops reading); 0: no limit."""
         self.server = server
+        self.max_frames = max_frames
         self.client = client
         self.query = query
         self.path = path
@@ -60,7 +63,7 @@ class AsgiWebSocket:
     # --- on the app's loop -----------------------------------------------------------------
     async def _connect(self) -> None:
         self._to_app = asyncio.Queue()
-        self._from_app = asyncio.Queue()
+        self._from_app = asyncio.Queue(maxsize=self.max_frames)
         scope = {
             "type": "websocket", "asgi": {"version": "3.0"}, "http_version": "1.1",
             "scheme": "ws", "path": self.path, "raw_path": self.path.encode(),

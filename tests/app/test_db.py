@@ -92,6 +92,74 @@ def test_migrated_schema_matches_the_models(engine: Engine) -> None:
     assert diffs == []
 
 
+BIG_SEQ = 2**31 + 10  # past a 32-bit integer
+
+
+def _move_seq_past(session: Session, seq: int) -> None:
+    """Make the next subscription's seq larger than `seq`: PostgreSQL's sequence is set; SQLite
+    continues after the largest rowid, so a row is stored with that seq."""
+    if session.get_bind().dialect.name == "postgresql":
+        session.execute(text("SELECT setval(pg_get_serial_sequence('subscriptions', 'seq'), :v)"),
+                        {"v": seq})
+    else:
+        keys.ensure_tenant(session, "acme")
+        session.add(Subscription(seq=seq, id="s_big", tenant="acme", type="keyword",
+                                 spec={"type": "keyword", "keywords": ["big"]}))
+    session.commit()
+
+
+def test_seq_above_2_31_is_stored_and_read_back(engine: Engine) -> None:
+    """Subscriptions keep their 64-bit seq (BIGINT on PostgreSQL, the rowid on SQLite), and the
+    listing pages over it with cursors."""
+    factory = make_sessionmaker(engine)
+    with factory() as session:
+        _move_seq_past(session, BIG_SEQ)
+        rows = subscriptions.create_many(session, "acme", [_spec(i) for i in range(3)])
+        session.commit()
+        seqs = [r.seq for r in rows]
+    assert all(seq > BIG_SEQ for seq in seqs) and seqs == sorted(seqs)
+    with factory() as session:
+        stored = session.scalars(select(Subscription.seq).where(Subscription.seq > 2**31)
+                                 .order_by(Subscription.seq)).all()
+        assert stored[-3:] == seqs
+        page, cursor = subscriptions.list_page(session, "acme", 2, seqs[0])
+        assert [r.seq for r in page] == seqs[1:] and cursor is None
+        page, cursor = subscriptions.list_page(session, "acme", 1, seqs[0])
+        assert cursor is not None and subscriptions.decode_cursor(cursor) == seqs[1]
+
+
+def test_upgrade_widens_seq_of_an_existing_database(settings: Settings) -> None:
+    """A database made by the revision before 0003, with a subscription in it: upgraded, the
+    subscription is intact and new ones get seqs past 2**31."""
+    cfg = alembic_config(settings.sqlalchemy_url)
+    command.upgrade(cfg, "0002")
+    engine = make_engine(settings)
+    try:
+        with engine.begin() as conn:
+            conn.execute(text("INSERT INTO tenants (name, created_at) VALUES ('acme', 0)"))
+            conn.execute(text("INSERT INTO subscriptions (id, tenant, type, spec, created_at) "
+                              "VALUES ('s_old', 'acme', 'keyword', '{}', 0)"))
+        command.upgrade(cfg, "head")
+        if engine.dialect.name == "postgresql":
+            with engine.connect() as conn:
+                types = conn.execute(text(
+                    "SELECT c.data_type, s.data_type FROM information_schema.columns c, "
+                    "information_schema.sequences s WHERE c.table_name = 'subscriptions' "
+                    "AND c.column_name = 'seq' AND s.sequence_name = 'subscriptions_seq_seq'"
+                )).one()
+            assert tuple(types) == ("bigint", "bigint")
+        with make_sessionmaker(engine)() as session:
+            _move_seq_past(session, BIG_SEQ)
+            (row,) = subscriptions.create_many(session, "acme", [_spec(0)])
+            session.commit()
+            assert row.seq > BIG_SEQ
+            old = session.scalar(select(Subscription).where(Subscription.id == "s_old"))
+            assert old is not None and old.seq == 1
+            assert session.get(Subscription, row.seq) is not None
+    finally:
+        engine.dispose()
+
+
 def test_sqlite_runs_in_wal_mode(tmp_path: Path) -> None:
     settings = Settings(data_dir=tmp_path / "nested" / "data")  # the default database URL
     engine = make_engine(settings)

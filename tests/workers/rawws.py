@@ -27,15 +27,18 @@ class RawWebSocket:
             raise ConnectionError(head.decode(errors="replace"))
 
     def send_text(self, text: str) -> None:
-        data = text.encode()
+        self.send_frame(0x1, text.encode())
+
+    def send_frame(self, opcode: int, data: bytes) -> None:
+        """One final frame, masked as a client's must be (0x1 text, 0xA pong, ...)."""
         mask = os.urandom(4)
         n = len(data)
         if n < 126:
-            header = struct.pack("!BB", 0x81, 0x80 | n)
+            header = struct.pack("!BB", 0x80 | opcode, 0x80 | n)
         elif n < 65536:
-            header = struct.pack("!BBH", 0x81, 0x80 | 126, n)
+            header = struct.pack("!BBH", 0x80 | opcode, 0x80 | 126, n)
         else:
-            header = struct.pack("!BBQ", 0x81, 0x80 | 127, n)
+            header = struct.pack("!BBQ", 0x80 | opcode, 0x80 | 127, n)
         masked = bytes(b ^ mask[i % 4] for i, b in enumerate(data))
         self.sock.sendall(header + mask + masked)
 

@@ -1,9 +1,11 @@
-"""WebSocket protocol edges: bad keys and origins, oversized messages, revocation, malformed
-ops, slow clients (1013), and poison stream entries (dead-letter)."""
+"""WebSocket protocol edges: bad keys, oversized messages, revocation, malformed ops, slow
+clients (1013), peers that stop answering pings, and poison stream entries (dead-letter).
+(Origins, `unlisten` and the queue's byte bound: tests/app/test_stream_edges.py.)"""
 
 from __future__ import annotations
 
 import asyncio
+import struct
 import time
 from pathlib import Path
 
@@ -139,3 +141,68 @@ def test_poison_entry_goes_to_dead_letter(server: LiveServer, tenant_key: str) -
 
     assert asyncio.run(run()) == 2  # the shard was not blocked
     assert client.xlen(names.DEAD_LETTER) == before + 1
+
+
+PING_S = 1.0
+SLACK_S = 2.0  # scheduling on a busy machine; the bound itself is two ping periods
+
+
+def _ws_connections(s: LiveServer) -> float:
+    text = httpx.get(s.base_url + "/metrics").text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("geoswarm_ws_connections "))
+
+
+def test_peer_that_stops_answering_pings_is_closed(tmp_path: Path, embedded_redis: object
+                                                   ) -> None:
+    """With pings every second: a peer that answered two pings and then stops is closed (1011)
+    within two ping periods (the interval, then the wait for its pong); a client that answers
+    (every WebSocket library does) stays connected; the dead peer's connection is gone from
+    the hub, and its slot in the tenant's connection quota (of 1) is free again."""
+    s = start_server(tmp_path, embedded_redis.url, workers=1,  # type: ignore[attr-defined]
+                     GEOSWARM_WS_PING_S=str(PING_S), GEOSWARM_TENANT_MAX_CONNECTIONS="1")
+    try:
+        dead_key, live_key = s.new_key(), s.new_key()
+        port = int(s.base_url.rsplit(":", 1)[1])
+
+        def dead_peer() -> tuple[int, int | None, float]:
+            """Answer two pings, then none: (pings seen, close code, seconds from the last
+            pong to the close)."""
+            ws = RawWebSocket("127.0.0.1", port, f"/v1/stream?token={dead_key}")
+            try:
+                ws.send_text('{"op": "listen", "all": true}')
+                assert b"listening" in ws.recv_frame()[1]
+                ws.sock.settimeout(10 * PING_S)
+                pings, answered_at = 0, time.monotonic()
+                while True:
+                    opcode, payload = ws.recv_frame()
+                    if opcode == 0x9:
+                        pings += 1
+                        if pings <= 2:
+                            ws.send_frame(0xA, payload)
+                            answered_at = time.monotonic()
+                    elif opcode == 0x8:
+                        code = struct.unpack("!H", payload[:2])[0] if len(payload) >= 2 else None
+                        return pings, code, time.monotonic() - answered_at
+            finally:
+                ws.close()
+
+        async def run() -> None:
+            live = Listener(s.ws_url, live_key)
+            await live.connect()
+            await live.listen(all=True)
+            pings, code, after_last_pong = await asyncio.to_thread(dead_peer)
+            assert pings >= 3 and code == 1011
+            assert after_last_pong <= 2 * PING_S + SLACK_S
+            await asyncio.sleep(2 * PING_S)
+            assert live.closed_code is None  # it answered every ping, for 5 s and more
+            assert await wait_for(lambda: _ws_connections(s) == 1, 10)
+            again = Listener(s.ws_url, dead_key)  # the freed slot
+            await again.connect()
+            assert (await again.listen(all=True))["type"] == "listening"
+            await again.close()
+            await live.close()
+
+        asyncio.run(run())
+    finally:
+        s.stop()

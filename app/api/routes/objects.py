@@ -19,6 +19,7 @@ from app.geo.tokenize import normalize_keywords, tokenize
 from app.pipeline.records import RecordBatch, new_event_ids
 from app.pipeline.router import PublishContention
 from app.schemas import ObjectBatch, ObjectIn, ObjectOut, ObjectsAccepted
+from app.services import quotas
 
 router = APIRouter(prefix="/v1/objects", tags=["objects"], route_class=StrictJSONRoute)
 
@@ -130,6 +131,8 @@ def to_records(objs: list[ObjectIn], tenant: str, now: float) -> RecordBatch:
 @router.post("", status_code=202, response_model=ObjectsAccepted, openapi_extra=_BODY_DOC,
              responses=errors(*BODY, *TENANT, descriptions={
                  413: "Body over max_body_bytes, or more than max_batch objects.",
+                 429: "Rate limit of the key exceeded, or the tenant's quota of published "
+                      "objects per second (tenant_publish_per_s).",
                  503: "Redis or the database unavailable, no partition plan yet (no "
                       "worker has started), or other publishes kept moving the same objects."}))
 async def publish(request: Request, state: StateDep, principal: TenantDep) -> ObjectsAccepted:
@@ -140,6 +143,7 @@ async def publish(request: Request, state: StateDep, principal: TenantDep) -> Ob
     batch = to_records(objs, principal.tenant, time.time())
     await require_plan(state)
     assert state.router is not None
+    await quotas.charge_publish(state, principal.tenant, batch.size)
     try:
         await state.router.publish(batch)
     except PublishContention as exc:

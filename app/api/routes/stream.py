@@ -9,6 +9,7 @@ import time
 from typing import Annotated, Any
 
 import orjson
+import redis.exceptions
 from fastapi import APIRouter, Query, WebSocket, WebSocketDisconnect
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
@@ -17,6 +18,7 @@ from starlette.websockets import WebSocketState
 
 from app.api.deps import StateDep, TenantDep, websocket_principal
 from app.core.errors import ApiError, NotFound
+from app.core.state import AppState
 from app.pipeline.hub import (
     Connection,
     ConnectionClosed,
@@ -29,6 +31,7 @@ from app.pipeline.hub import (
     resume_positions,
     start_position,
 )
+from app.services import quotas
 from app.services import subscriptions as sub_service
 
 log = logging.getLogger(__name__)
@@ -69,8 +72,35 @@ async def stream(websocket: WebSocket) -> None:
         await websocket.accept()
         await websocket.close(code=1008, reason=f"origin {origin} is not allowed")
         return
-    await websocket.accept()
-    conn = Connection(WebSocketTransport(websocket), principal)
+    try:
+        slot = await quotas.acquire_connection(state, principal.tenant)
+    except ApiError as exc:
+        await websocket.accept()
+        await websocket.close(code=1008, reason=exc.message)
+        return
+    except (redis.exceptions.RedisError, OSError) as exc:
+        log.warning("WebSocket refused: its slot could not be taken (%s)", exc)
+        await websocket.accept()
+        await websocket.close(code=1013, reason="Redis is unavailable; retry later")
+        return
+    conn = Connection(WebSocketTransport(websocket), principal, slot=slot)
+    try:
+        await websocket.accept()
+        await _serve(websocket, state, hub, conn)
+    finally:
+        await _release_slot(state, conn)
+
+
+async def _release_slot(state: AppState, conn: Connection) -> None:
+    """Give the connection's quota slot back (once; bounded: a slot left behind expires)."""
+    slot, conn.slot = conn.slot, None
+    if slot is not None:
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(quotas.release_connection(state, conn.principal.tenant, slot),
+                                   5)
+
+
+async def _serve(websocket: WebSocket, state: AppState, hub: Hub, conn: Connection) -> None:
     hub.register(conn)
     pump = asyncio.create_task(_pump(hub, conn))
     reader = asyncio.create_task(_read(websocket, state, hub, conn))
@@ -83,6 +113,8 @@ async def stream(websocket: WebSocket) -> None:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         hub.unregister(conn)
+        # before the close frame: a client that reconnects at once finds its slot free
+        await _release_slot(state, conn)
         if conn.closed is not None:
             await conn.transport.close(*conn.closed)
 

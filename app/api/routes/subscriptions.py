@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Body, Query, Response
+from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
 from app.api.deps import StateDep, StrictJSONRoute, TenantDep
 from app.api.openapi import BODY, TENANT, errors
 from app.core.errors import NotFound, PayloadTooLarge
+from app.core.security import Principal
+from app.core.state import AppState
+from app.models import Subscription
 from app.schemas import (
     SubscriptionBatch,
     SubscriptionIds,
@@ -18,6 +23,7 @@ from app.schemas import (
     SubscriptionPage,
     subscription_spec,
 )
+from app.services import quotas
 from app.services import subscriptions as sub_service
 from app.services.pipeline_sql import add_with_pipeline, delete_with_pipeline
 
@@ -25,25 +31,26 @@ router = APIRouter(prefix="/v1/subscriptions", tags=["subscriptions"], route_cla
 
 NOT_FOUND = {404: "No subscription with this id in the tenant."}
 DUPLICATE = {409: "A subscription with this id exists already (the message names it)."}
+QUOTA = {429: "Rate limit of the key exceeded, or the tenant's quota of live subscriptions "
+         "(tenant_max_subscriptions) would be exceeded; retry after `Retry-After` seconds."}
 # The routes return the stored dicts as they are; the models only document them.
 STORED = {"model": SubscriptionOut, "description": "The stored subscription."}
 
 
 @router.post("", status_code=201, response_model=None,
-             responses={201: STORED, **errors(*BODY, *TENANT, 409, descriptions=DUPLICATE)})
+             responses={201: STORED, **errors(*BODY, *TENANT, 409,
+                                              descriptions={**DUPLICATE, **QUOTA})})
 async def create_subscription(
     body: Annotated[SubscriptionIn, Body()], state: StateDep, principal: TenantDep
 ) -> dict[str, Any]:
     """Register one continuous query."""
-    rows = await add_with_pipeline(
-        state, lambda s: sub_service.create_many(s, principal.tenant, [subscription_spec(body)])
-    )
+    rows = await add_with_pipeline(state, _creator(state, principal, [subscription_spec(body)]))
     return sub_service.to_public(rows[0])
 
 
 @router.post("/batch", status_code=201, response_model=SubscriptionIds,
              responses=errors(*BODY, *TENANT, 409, descriptions={
-                 **DUPLICATE,
+                 **DUPLICATE, **QUOTA,
                  413: "Body over max_body_bytes, or more than max_batch subscriptions."}))
 async def create_subscriptions(
     body: SubscriptionBatch, state: StateDep, principal: TenantDep
@@ -54,10 +61,21 @@ async def create_subscriptions(
             f"batch of {len(body.subscriptions)} subscriptions is over max_batch "
             f"({state.settings.max_batch})")
     specs = [subscription_spec(s) for s in body.subscriptions]
-    rows = await add_with_pipeline(
-        state, lambda s: sub_service.create_many(s, principal.tenant, specs)
-    )
+    rows = await add_with_pipeline(state, _creator(state, principal, specs))
     return SubscriptionIds(ids=[r.id for r in rows])
+
+
+def _creator(state: AppState, principal: Principal, specs: list[dict[str, Any]]
+             ) -> Callable[[Session], list[Subscription]]:
+    """The SQL part of a create: the tenant's quota checked, then the rows, in one
+    transaction (the quota's lock is held until it commits)."""
+
+    def create(session: Session) -> list[Subscription]:
+        quotas.check_subscriptions(session, principal.tenant, len(specs),
+                                   state.settings.tenant_max_subscriptions)
+        return sub_service.create_many(session, principal.tenant, specs)
+
+    return create
 
 
 @router.get("", response_model=None, responses={
