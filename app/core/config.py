@@ -58,6 +58,9 @@ class Settings(BaseSettings):
     max_body_bytes: int = 8 * 1024 * 1024
     max_batch: int = 10_000
     rate_limit_per_s: int = 2_000  # requests per key per second, 0 disables
+    # entries waiting in one worker's stream beyond which publishing to it answers 503 (with
+    # Retry-After) instead of queueing without limit; 0: no bound
+    max_backlog: int = 100_000
     # failed key checks (unknown or revoked keys) per client address and window, per api
     # process; beyond, that address gets 429 without a lookup until the window ends (0: off)
     auth_fail_limit: int = 100

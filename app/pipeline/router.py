@@ -58,8 +58,15 @@ PUBLISH_ATTEMPTS = 20  # publishes of the same objects racing: each attempt read
 PUBLISH_GUARD_TTL_S = 300
 
 
+BACKLOG_CHECK_S = 0.25  # how old the streams' lengths a publish is checked against may be
+
+
 class PublishContention(Exception):
     """Other publishes kept changing the positions this one routes by."""
+
+
+class Overloaded(Exception):
+    """A worker's stream holds more than `max_backlog` entries: it does not keep up."""
 
 
 def last_writer_wins(batch: records.RecordBatch, moving_rows: list[int],
@@ -151,6 +158,8 @@ class Router:
         self.redis = redis
         self.index: GlobalIndex | None = None
         self._publish = redis.register_script(PUBLISH_SCRIPT)
+        self._backlog: dict[str, int] = {}  # worker stream -> its length, read at _backlog_at
+        self._backlog_at = 0.0
         self._plan_checked = 0.0
         self._lock = asyncio.Lock()
         self.replicated = settings.partitioning == "replicated"
@@ -197,6 +206,7 @@ class Router:
                           for oid, v in zip(moving_ids, raw, strict=True)}
             prev, late, checks = last_writer_wins(batch, moving_rows, stored)
             streams, entries = self._route(index, batch, rids, prev, late, moving_rows)
+            await self._check_backlog(streams)
             args: list[Any] = [PUBLISH_GUARD_TTL_S, len(checks)]
             for oid, read, new in checks:
                 args += [oid, read, new]
@@ -204,6 +214,27 @@ class Router:
                 return
         raise PublishContention(f"the positions of {len(moving_ids)} objects kept changing "
                                 f"under {PUBLISH_ATTEMPTS} attempts to publish them")
+
+    async def _check_backlog(self, streams: list[str]) -> None:
+        """Refuse a publish to a worker whose stream is longer than `max_backlog` (lengths
+        read at most BACKLOG_CHECK_S ago, for all worker streams at once)."""
+        bound = self.settings.max_backlog
+        if not bound:
+            return
+        now = time.monotonic()
+        if now - self._backlog_at > BACKLOG_CHECK_S or any(s not in self._backlog
+                                                             for s in streams):
+            index = await self.current_index()
+            known = [names.worker_stream(w) for w in index.workers]
+            pipe = self.redis.pipeline(transaction=False)
+            for stream in known:
+                pipe.xlen(stream)
+            self._backlog = dict(zip(known, await pipe.execute(), strict=True))
+            self._backlog_at = now
+        behind = sorted({s for s in streams if self._backlog.get(s, 0) > bound})
+        if behind:
+            raise Overloaded(f"workers are behind: {', '.join(behind)} hold more than "
+                             f"{bound} entries (max_backlog)")
 
     def _route(self, index: GlobalIndex, batch: records.RecordBatch, rids: list[str],
                prev: list[tuple[float, float] | None], late: list[bool],

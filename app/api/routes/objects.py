@@ -17,7 +17,7 @@ from app.core.metrics import OBJECTS_ACCEPTED, PUBLISH_SECONDS
 from app.core.state import require_plan
 from app.geo.tokenize import normalize_keywords, tokenize
 from app.pipeline.records import RecordBatch, new_event_ids
-from app.pipeline.router import PublishContention
+from app.pipeline.router import Overloaded, PublishContention
 from app.schemas import ObjectBatch, ObjectIn, ObjectOut, ObjectsAccepted
 from app.services import quotas
 
@@ -134,7 +134,8 @@ def to_records(objs: list[ObjectIn], tenant: str, now: float) -> RecordBatch:
                  429: "Rate limit of the key exceeded, or the tenant's quota of published "
                       "objects per second (tenant_publish_per_s).",
                  503: "Redis or the database unavailable, no partition plan yet (no "
-                      "worker has started), or other publishes kept moving the same objects."}))
+                      "worker has started), a worker too far behind (max_backlog), or other "
+                      "publishes kept moving the same objects."}))
 async def publish(request: Request, state: StateDep, principal: TenantDep) -> ObjectsAccepted:
     """Publish a batch of objects; 202 once the whole batch is durably queued."""
     started = time.perf_counter()
@@ -148,6 +149,8 @@ async def publish(request: Request, state: StateDep, principal: TenantDep) -> Ob
         await state.router.publish(batch)
     except PublishContention as exc:
         raise Unavailable(f"{exc}; retry", headers={"Retry-After": "1"}) from exc
+    except Overloaded as exc:
+        raise Unavailable(f"overloaded: {exc}; retry later", headers={"Retry-After": "2"}) from exc
     OBJECTS_ACCEPTED.inc(batch.size)
     PUBLISH_SECONDS.observe(time.perf_counter() - started)
     return ObjectsAccepted(accepted=batch.size, ids=batch.ids)
