@@ -223,6 +223,7 @@ class Executor:
 
     def merge_knn(self, tenant: str, subs: list[KnnSub], pipe: Any) -> None:
         for sub in subs:
+            self.touched.add(sub.id)  # its history is trimmed by age with the others
             local = orjson.dumps([list(n) for n in sub.local])
             self._merge(keys=[names.knn_key(sub.id), names.history_key(sub.id),
                               names.history_last_key(sub.id)],
@@ -370,6 +371,8 @@ class Executor:
                 self.handle_subs_added(msg, pipe, notify)
             elif isinstance(msg, wire.SubsRemoved):
                 self.handle_subs_removed(msg.ids)
+            elif isinstance(msg, wire.ObjectsGone):
+                self.handle_objects_gone(msg, pipe, notify)
             else:
                 self.migration.receive_handoff(msg, pipe, notify)
         if group:
@@ -495,6 +498,18 @@ class Executor:
             self.subs.remove(sid)
 
     # --- objects -------------------------------------------------------------------------
+    def handle_objects_gone(self, msg: wire.ObjectsGone, pipe: Any,
+                            notify: dict[str, set[str]]) -> None:
+        """Moving objects that outlived their TTL leave the kNN state (and so the lists)."""
+        state = self.knn.get(msg.tenant)
+        if state is None:
+            return
+        state.objects.drop_moving(msg.ids)
+        changed = state.refresh(True, [])
+        if changed:
+            self.merge_knn(msg.tenant, changed, pipe)
+            notify.setdefault(msg.tenant, set()).update(s.id for s in changed)
+
     def _match_group(self, group: list[wire.ObjectBatch], pipe: Any,
                      notify: dict[str, set[str]]) -> None:
         batch = wire.ObjectBatch.concat(group)

@@ -90,6 +90,10 @@ class Settings(BaseSettings):
     tenant_max_subscriptions: int = 100_000  # live subscriptions of one tenant
     tenant_max_connections: int = 1_000  # open WebSockets of one tenant, over all api processes
     tenant_publish_per_s: int = 100_000  # objects one tenant publishes per second
+    tenant_max_objects: int = 1_000_000  # moving objects one tenant has stored at once
+    # a moving object not updated for this long leaves the latest-position store and the kNN
+    # lists (an object's own `ttl_s` overrides it)
+    object_ttl_s: float = 86_400.0
     # a WebSocket's slot in its tenant's count lives this long in Redis unless its api process
     # renews it (every third of it): a crashed process's slots are free again after this
     ws_slot_ttl_s: float = 30.0
@@ -127,11 +131,12 @@ class Settings(BaseSettings):
             raise ValueError("grid must be C1xC2 with 1 ≤ C ≤ 10000")
         if self.auth_fail_window_s <= 0 or self.key_recheck_s <= 0:
             raise ValueError("auth_fail_window_s and key_recheck_s must be positive")
-        if self.ws_slot_ttl_s <= 0:
-            raise ValueError("ws_slot_ttl_s must be positive")
+        if self.ws_slot_ttl_s <= 0 or not 0 < self.object_ttl_s < math.inf:
+            raise ValueError("ws_slot_ttl_s and object_ttl_s must be positive")
         quotas = {"tenant_max_subscriptions": self.tenant_max_subscriptions,
                   "tenant_max_connections": self.tenant_max_connections,
                   "tenant_publish_per_s": self.tenant_publish_per_s,
+                  "tenant_max_objects": self.tenant_max_objects,
                   "ws_queue_max_bytes": self.ws_queue_max_bytes}
         negative = [name for name, value in quotas.items() if value < 0]
         if negative:

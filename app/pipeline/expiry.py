@@ -1,5 +1,6 @@
-"""Subscription TTL expiry: one api process at a time (a Redis lock) deletes expired
-subscriptions from SQL, removes them from the workers and tells listening clients."""
+"""TTL expiry, one api process at a time (a Redis lock): expired subscriptions are deleted from
+SQL, removed from the workers and listening clients are told; moving objects not updated
+within their TTL leave the latest-position store and the workers' kNN state."""
 
 from __future__ import annotations
 
@@ -44,6 +45,46 @@ async def release_lock(client: aioredis.Redis, key: str, token: bytes) -> bool:
     return bool(await client.register_script(_RELEASE)(keys=[key], args=[token]))
 
 
+# Moving objects whose TTL passed leave the latest-position store, and every worker is told
+# (wire.ObjectsGone, msgpack map {t, tn, ids}) in the same step, so none keeps them in a kNN
+# list. An object updated meanwhile has a later expiry and is not among them.
+# KEYS: positions hash, expiry zset, tenants with expiries, the worker streams. ARGV: now,
+# most objects per call, tenant. Returns how many left.
+OBJECTS_GONE_SCRIPT = """
+local ids = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', ARGV[1], 'LIMIT', 0, ARGV[2])
+if #ids == 0 then
+  if redis.call('ZCARD', KEYS[2]) == 0 then redis.call('SREM', KEYS[3], ARGV[3]) end
+  return 0
+end
+for _, id in ipairs(ids) do redis.call('HDEL', KEYS[1], id) end
+redis.call('ZREM', KEYS[2], unpack(ids))
+local msg = cmsgpack.pack({t = 'gone', tn = ARGV[3], ids = ids})
+for s = 4, #KEYS do redis.call('XADD', KEYS[s], '*', 'm', msg) end
+return #ids
+"""
+OBJECTS_PER_CALL = 1000
+
+
+async def expire_objects(state: AppState, now: float) -> int:
+    """Moving objects past their TTL, of every tenant: out of the store and the workers."""
+    if state.router is None:
+        return 0
+    index = await state.router.current_index()
+    streams = [names.worker_stream(w) for w in index.workers]
+    script = state.redis.register_script(OBJECTS_GONE_SCRIPT)
+    total = 0
+    for raw in await state.redis.smembers(names.OBJECT_EXPIRY_TENANTS):
+        tenant = raw.decode() if isinstance(raw, bytes) else str(raw)
+        keys = [names.positions_key(tenant), names.object_expiry_key(tenant),
+                names.OBJECT_EXPIRY_TENANTS, *streams]
+        while True:
+            n = int(await script(keys=keys, args=[now, OBJECTS_PER_CALL, tenant]))
+            total += n
+            if n < OBJECTS_PER_CALL:
+                break
+    return total
+
+
 async def expire_once(state: AppState) -> int:
     token = await acquire_lock(state.redis, names.EXPIRY_LOCK, LOCK_TTL_MS)
     if token is None:
@@ -57,6 +98,9 @@ async def expire_once(state: AppState) -> int:
         if rows and state.router is not None:
             await state.router.remove_subscriptions(rows, reason="expired")
             SUBSCRIPTIONS_DELETED.labels("expired").inc(len(rows))
+        gone = await expire_objects(state, time.time())
+        if gone:
+            log.info("%d moving objects outlived their TTL", gone)
         return len(rows)
     finally:
         if not await release_lock(state.redis, names.EXPIRY_LOCK, token):

@@ -109,3 +109,11 @@ def rate_key(key_id: str, window: int) -> str:
 def publish_guard_key(token: str) -> str:
     """Set by the first application of one publish: a repeated call is then a no-op."""
     return f"gs:pub:{token}"
+
+
+def object_expiry_key(tenant: str) -> str:
+    """Sorted set: moving object id -> when it leaves the latest-position store (its TTL)."""
+    return f"gs:posexp:{tenant}"
+
+
+OBJECT_EXPIRY_TENANTS = "gs:posexp:tenants"  # set: tenants whose moving objects can expire

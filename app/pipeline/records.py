@@ -49,6 +49,7 @@ class RecordBatch:
     text: list[str | None]
     props: list[dict[str, Any] | None]
     size: int
+    ttl_s: list[float | None] | None = None  # moving objects' own TTLs (None: the default)
 
 
 def object_batch(batch: RecordBatch, record_ids: list[str],

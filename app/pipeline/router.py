@@ -27,30 +27,47 @@ from app.pipeline.cluster import ALLOCATE_IDS_SCRIPT, live_workers, load_plan, p
 log = logging.getLogger(__name__)
 
 # One publish, all or nothing: the latest positions of its moving objects (last writer wins
-# by ts, CheetahGIS's Transformer) are written together with the stream entries routed from
-# them, and only if no other publish changed those positions since `Router.publish` read them
-# (else nothing is written and it reads again). The guard key makes a call the client library
-# sends again after a lost reply a no-op, so a publish is applied once.
-# KEYS: guard, positions hash, the worker streams. ARGV: guard ttl, n, then n triples (object
-# id, its packed position as read or '' for none, the packed position to store or '' to keep
-# it), then one stream entry per stream. Returns 1 when applied (now or before), 0 when a
-# position changed meanwhile.
+# by ts, CheetahGIS's Transformer) are written together with their expiry and the stream
+# entries routed from them, and only if no other publish changed those positions since
+# `Router.publish` read them (else nothing is written and it reads again). The guard key makes
+# a call the client library sends again after a lost reply a no-op, so a publish is applied
+# once. A publish that would take the tenant over its quota of stored moving objects writes
+# nothing.
+# KEYS: guard, positions hash, expiry zset, tenants with expiries, the worker streams.
+# ARGV: guard ttl, n, quota (0: none), tenant, then n quadruples (object id, its packed
+# position as read or '' for none, the packed position to store or '' to keep it, its expiry
+# time), then one stream entry per stream.
+# Returns 1 when applied (now or before), 0 when a position changed meanwhile, 2 when over
+# the quota.
 PUBLISH_SCRIPT = """
 if not redis.call('SET', KEYS[1], '1', 'NX', 'EX', ARGV[1]) then return 1 end
-local n = tonumber(ARGV[2])
+local n, quota = tonumber(ARGV[2]), tonumber(ARGV[3])
+local new_ids = 0
 for i = 0, n - 1 do
-  if (redis.call('HGET', KEYS[2], ARGV[3 + 3 * i]) or '') ~= ARGV[4 + 3 * i] then
+  local read = ARGV[6 + 4 * i]
+  if (redis.call('HGET', KEYS[2], ARGV[5 + 4 * i]) or '') ~= read then
     redis.call('DEL', KEYS[1])
     return 0
   end
+  if read == '' and ARGV[7 + 4 * i] ~= '' then new_ids = new_ids + 1 end
 end
+if quota > 0 and new_ids > 0 and redis.call('HLEN', KEYS[2]) + new_ids > quota then
+  redis.call('DEL', KEYS[1])
+  return 2
+end
+local written = false
 for i = 0, n - 1 do
-  local new = ARGV[5 + 3 * i]
-  if new ~= '' then redis.call('HSET', KEYS[2], ARGV[3 + 3 * i], new) end
+  local new = ARGV[7 + 4 * i]
+  if new ~= '' then
+    redis.call('HSET', KEYS[2], ARGV[5 + 4 * i], new)
+    redis.call('ZADD', KEYS[3], ARGV[8 + 4 * i], ARGV[5 + 4 * i])
+    written = true
+  end
 end
-local base = 3 + 3 * n
-for s = 3, #KEYS do
-  redis.call('XADD', KEYS[s], '*', 'm', ARGV[base + s - 3])
+if written then redis.call('SADD', KEYS[4], ARGV[4]) end
+local base = 5 + 4 * n
+for s = 5, #KEYS do
+  redis.call('XADD', KEYS[s], '*', 'm', ARGV[base + s - 5])
 end
 return 1
 """
@@ -65,6 +82,10 @@ class PublishContention(Exception):
     """Other publishes kept changing the positions this one routes by."""
 
 
+class ObjectQuotaExceeded(Exception):
+    """The publish would take the tenant over `tenant_max_objects` stored moving objects."""
+
+
 class Overloaded(Exception):
     """A worker's stream holds more than `max_backlog` entries: it does not keep up."""
 
@@ -72,15 +93,17 @@ class Overloaded(Exception):
 def last_writer_wins(batch: records.RecordBatch, moving_rows: list[int],
                      stored: dict[str, bytes | None]
                      ) -> tuple[list[tuple[float, float] | None], list[bool],
-                                list[tuple[str, bytes, bytes]]]:
+                                list[tuple[str, bytes, bytes, int]]]:
     """The rows in order against the stored latest positions (`stored`, by object id): each
     moving record's previous position, whether it is late (older than the latest: no position
-    change), and per object (id, position read, position to store or b'' to keep it)."""
+    change), and per object (id, position read, position to store or b'' to keep it, the
+    row that wrote it or -1)."""
     n = batch.size
     prev: list[tuple[float, float] | None] = [None] * n
     late = [False] * n
     current = dict(stored)
     latest_ts: dict[str, float] = {}
+    writer: dict[str, int] = {}
     for i in moving_rows:
         oid = batch.ids[i]
         old = current[oid]
@@ -96,10 +119,13 @@ def last_writer_wins(batch: records.RecordBatch, moving_rows: list[int],
         current[oid] = records.pack_position(batch.ts[i], batch.lon[i], batch.lat[i],
                                              batch.keywords[i], batch.props[i])
         latest_ts[oid] = batch.ts[i]
+        writer[oid] = i
     checks = []
     for oid, read in stored.items():
         new = current[oid]
-        checks.append((oid, read or b"", new if new is not None and new != read else b""))
+        changed = new is not None and new != read
+        checks.append((oid, read or b"", new if changed and new is not None else b"",
+                       writer.get(oid, -1) if changed else -1))
     return prev, late, checks
 
 
@@ -207,13 +233,28 @@ class Router:
             prev, late, checks = last_writer_wins(batch, moving_rows, stored)
             streams, entries = self._route(index, batch, rids, prev, late, moving_rows)
             await self._check_backlog(streams)
-            args: list[Any] = [PUBLISH_GUARD_TTL_S, len(checks)]
-            for oid, read, new in checks:
-                args += [oid, read, new]
-            if await self._publish(keys=[guard, pos_key, *streams], args=[*args, *entries]):
+            args: list[Any] = [PUBLISH_GUARD_TTL_S, len(checks),
+                               self.settings.tenant_max_objects, batch.tenant]
+            for oid, read, new, row in checks:
+                args += [oid, read, new, self._expiry(batch, row) if row >= 0 else 0]
+            done = await self._publish(
+                keys=[guard, pos_key, names.object_expiry_key(batch.tenant),
+                      names.OBJECT_EXPIRY_TENANTS, *streams],
+                args=[*args, *entries])
+            if done == 2:
+                raise ObjectQuotaExceeded(
+                    f"tenant quota of {self.settings.tenant_max_objects} moving objects "
+                    "reached (tenant_max_objects); objects leave when their ttl_s passes")
+            if done:
                 return
         raise PublishContention(f"the positions of {len(moving_ids)} objects kept changing "
                                 f"under {PUBLISH_ATTEMPTS} attempts to publish them")
+
+    def _expiry(self, batch: records.RecordBatch, row: int) -> float:
+        """When the moving object of `row` leaves the store: its own TTL or the default,
+        counted from now (a record's ts may be any time; the TTL is about being updated)."""
+        ttl = batch.ttl_s[row] if batch.ttl_s is not None else None
+        return time.time() + (ttl if ttl is not None else self.settings.object_ttl_s)
 
     async def _check_backlog(self, streams: list[str]) -> None:
         """Refuse a publish to a worker whose stream is longer than `max_backlog` (lengths

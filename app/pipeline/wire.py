@@ -90,6 +90,15 @@ class SubsRemoved(msgspec.Struct, tag="sub-", tag_field="t"):
     ids: list[str]
 
 
+class ObjectsGone(msgspec.Struct, tag="gone", tag_field="t", rename={"tenant": "tn"}):
+    """Moving objects that outlived their TTL and left the latest-position store: workers
+    drop them from their kNN state. Written by `app.pipeline.expiry`'s Lua script (a msgpack
+    map {t, tn, ids}), so the field names here are its keys."""
+
+    tenant: str
+    ids: list[str]
+
+
 # A window piece as a handoff carries it (workers.ledger): bucket, age in rounds, cells x,
 # cells y, objects per cell.
 WindowCounts = tuple[int, int, list[int], list[int], list[int]]
@@ -113,7 +122,7 @@ class Handoff(msgspec.Struct, tag="handoff", tag_field="t", rename={
     stats: dict[str, Any] = {}
 
 
-WorkerEntry = ObjectBatch | SubsAdded | SubsRemoved | Handoff
+WorkerEntry = ObjectBatch | SubsAdded | SubsRemoved | ObjectsGone | Handoff
 
 _entry_encoder = msgspec.msgpack.Encoder()
 _entry_decoder = msgspec.msgpack.Decoder(WorkerEntry)

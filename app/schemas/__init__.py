@@ -29,6 +29,7 @@ Ts = Annotated[float, Field(ge=0.0, le=1e11, allow_inf_nan=False, strict=True)]
 Keyword = Annotated[str, StringConstraints(min_length=1, max_length=64, strict=True)]
 ObjectId = Annotated[str, StringConstraints(min_length=1, max_length=128, strict=True)]
 MAX_PROPS_BYTES = 4096
+MAX_OBJECT_TTL_S = 365 * 86_400.0
 TTL_MIN_S, TTL_MAX_S = 60, 30 * 24 * 3600
 
 
@@ -46,6 +47,12 @@ class ObjectIn(Strict):
     props: Annotated[dict[str, Any] | None, Field(
         description=f"Any JSON object of at most {MAX_PROPS_BYTES} bytes encoded, returned "
         "as given.")] = None
+    ttl_s: Annotated[float | None, Field(
+        gt=0, le=MAX_OBJECT_TTL_S, allow_inf_nan=False, strict=True,
+        description="Moving objects (with an `id`): seconds after this record that the object "
+        "leaves the latest-position store and kNN results unless updated again (default: the "
+        "server's object_ttl_s). Ignored for events (no `id`): they leave with the live "
+        "window.")] = None
     # Keywords are lower-cased and de-duplicated with the text's tokens in one pass when the
     # batch becomes records (routes/objects.py): a per-object validator here cost half of
     # the publish path's time.

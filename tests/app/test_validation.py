@@ -121,6 +121,7 @@ BAD_OBJECT_FIELDS = [
     ("keywords", "coffee"), ("keywords", [1]), ("keywords", [None]), ("keywords", [""]),
     ("keywords", ["k"] * 65), ("keywords", ["x" * 65]), ("keywords", {"a": 1}),
     ("props", []), ("props", "x"), ("props", 5), ("props", {"p": "x" * 4096}),
+    ("ttl_s", 0), ("ttl_s", -1), ("ttl_s", "60"), ("ttl_s", True), ("ttl_s", 10**9),
     ("unknown_field", 1), ("type", "range"),
 ]
 

@@ -12,12 +12,12 @@ from pydantic import TypeAdapter, ValidationError
 
 from app.api.deps import StateDep, StrictJSONRoute, TenantDep
 from app.api.openapi import BODY, REF_PREFIX, TENANT, errors
-from app.core.errors import BadRequest, NotFound, PayloadTooLarge, Unavailable
+from app.core.errors import BadRequest, NotFound, PayloadTooLarge, RateLimited, Unavailable
 from app.core.metrics import OBJECTS_ACCEPTED, PUBLISH_SECONDS
 from app.core.state import require_plan
 from app.geo.tokenize import normalize_keywords, tokenize
 from app.pipeline.records import RecordBatch, new_event_ids
-from app.pipeline.router import Overloaded, PublishContention
+from app.pipeline.router import ObjectQuotaExceeded, Overloaded, PublishContention
 from app.schemas import ObjectBatch, ObjectIn, ObjectOut, ObjectsAccepted
 from app.services import quotas
 
@@ -125,14 +125,16 @@ def to_records(objs: list[ObjectIn], tenant: str, now: float) -> RecordBatch:
         text=[o.text for o in objs],
         props=[o.props for o in objs],
         size=n,
+        ttl_s=[o.ttl_s for o in objs] if any(o.ttl_s is not None for o in objs) else None,
     )
 
 
 @router.post("", status_code=202, response_model=ObjectsAccepted, openapi_extra=_BODY_DOC,
              responses=errors(*BODY, *TENANT, descriptions={
                  413: "Body over max_body_bytes, or more than max_batch objects.",
-                 429: "Rate limit of the key exceeded, or the tenant's quota of published "
-                      "objects per second (tenant_publish_per_s).",
+                 429: "Rate limit of the key exceeded, or a tenant quota: objects published "
+                      "per second (tenant_publish_per_s) or moving objects stored "
+                      "(tenant_max_objects).",
                  503: "Redis or the database unavailable, no partition plan yet (no "
                       "worker has started), a worker too far behind (max_backlog), or other "
                       "publishes kept moving the same objects."}))
@@ -149,6 +151,8 @@ async def publish(request: Request, state: StateDep, principal: TenantDep) -> Ob
         await state.router.publish(batch)
     except PublishContention as exc:
         raise Unavailable(f"{exc}; retry", headers={"Retry-After": "1"}) from exc
+    except ObjectQuotaExceeded as exc:
+        raise RateLimited(str(exc), headers={"Retry-After": "60"}) from exc
     except Overloaded as exc:
         raise Unavailable(f"overloaded: {exc}; retry later", headers={"Retry-After": "2"}) from exc
     OBJECTS_ACCEPTED.inc(batch.size)

@@ -1,0 +1,75 @@
+"""The publish step without processes: last writer wins computed from the positions read, and
+the script that applies a publish all or nothing on a real Redis (a position changed since it
+was read: nothing written; a call sent twice: applied once; over the objects quota: nothing)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import redis
+
+from app.core.redis import EmbeddedRedis
+from app.pipeline import names, records
+from app.pipeline.router import PUBLISH_SCRIPT, last_writer_wins
+
+
+def batch(rows: list[tuple[str, float, float]]) -> records.RecordBatch:
+    """Moving records (id, ts, lon) at lat 0."""
+    n = len(rows)
+    return records.RecordBatch(
+        tenant="t", ids=[r[0] for r in rows], moving=[True] * n, lon=[r[2] for r in rows],
+        lat=[0.0] * n, ts=[r[1] for r in rows], keywords=[[] for _ in rows], text=[None] * n,
+        props=[None] * n, size=n)
+
+
+def test_last_writer_wins_in_row_order() -> None:
+    old = records.pack_position(10.0, 1.0, 0.0, [], None)
+    b = batch([("a", 5.0, 2.0), ("a", 11.0, 3.0), ("a", 10.5, 4.0), ("b", 1.0, 5.0),
+               ("b", 2.0, 6.0)])
+    prev, late, checks = last_writer_wins(b, list(range(5)), {"a": old, "b": None})
+    assert late == [True, False, True, False, False]  # older than the latest at its turn
+    assert prev == [(1.0, 0.0), (1.0, 0.0), (3.0, 0.0), None, (5.0, 0.0)]
+    by_id = {c[0]: c for c in checks}
+    assert by_id["a"][1] == old and by_id["a"][3] == 1  # row 1 wrote a's position
+    assert records.unpack_position(by_id["a"][2])[:3] == (11.0, 3.0, 0.0)
+    assert by_id["b"][1] == b"" and by_id["b"][3] == 4
+    # nothing newer: nothing to store
+    _p, _l, checks = last_writer_wins(batch([("a", 1.0, 9.0)]), [0], {"a": old})
+    assert checks == [("a", old, b"", -1)]
+
+
+@pytest.fixture
+def rdb(embedded_redis: EmbeddedRedis) -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(embedded_redis.url.rsplit("/", 1)[0] + "/14")
+    client.flushdb()
+    yield client
+    client.flushdb()
+    client.close()
+
+
+def run(rdb: redis.Redis, guard: str, checks: list[tuple[str, bytes, bytes, float]],
+        quota: int = 0) -> int:
+    keys = [names.publish_guard_key(guard), names.positions_key("t"),
+            names.object_expiry_key("t"), names.OBJECT_EXPIRY_TENANTS, "gs:w:x"]
+    args: list[object] = [60, len(checks), quota, "t"]
+    for c in checks:
+        args += list(c)
+    return int(rdb.eval(PUBLISH_SCRIPT, len(keys), *keys, *args, b"entry"))  # type: ignore[arg-type]
+
+
+def test_publish_script_is_all_or_nothing_and_once(rdb: redis.Redis) -> None:
+    p1, p2 = b"pos-1", b"pos-2"
+    assert run(rdb, "g1", [("a", b"", p1, 100.0)]) == 1
+    assert run(rdb, "g1", [("a", b"", p1, 100.0)]) == 1  # sent again: a no-op
+    assert rdb.xlen("gs:w:x") == 1 and rdb.hget(names.positions_key("t"), "a") == p1
+    # read before another publish changed it: nothing written, and it may be retried
+    assert run(rdb, "g2", [("a", b"", p2, 200.0)]) == 0
+    assert rdb.xlen("gs:w:x") == 1 and not rdb.exists(names.publish_guard_key("g2"))
+    assert run(rdb, "g2", [("a", p1, p2, 200.0)]) == 1
+    assert rdb.hget(names.positions_key("t"), "a") == p2
+    assert rdb.zscore(names.object_expiry_key("t"), "a") == 200.0
+    # the quota counts new ids only: an update passes, a new object over it writes nothing
+    assert run(rdb, "g3", [("b", b"", p1, 1.0), ("a", p2, p1, 1.0)], quota=1) == 2
+    assert rdb.hlen(names.positions_key("t")) == 1 and rdb.xlen("gs:w:x") == 2
+    assert run(rdb, "g4", [("a", p2, p1, 300.0)], quota=1) == 1
