@@ -73,6 +73,7 @@ return 1
 """
 PUBLISH_ATTEMPTS = 20  # publishes of the same objects racing: each attempt reads again
 PUBLISH_GUARD_TTL_S = 300
+PUBLISH_SETTLE_S = 10.0  # how long a publish whose reply was lost waits to learn its outcome
 
 
 BACKLOG_CHECK_S = 0.25  # how old the streams' lengths a publish is checked against may be
@@ -237,10 +238,17 @@ class Router:
                                self.settings.tenant_max_objects, batch.tenant]
             for oid, read, new, row in checks:
                 args += [oid, read, new, self._expiry(batch, row) if row >= 0 else 0]
-            done = await self._publish(
-                keys=[guard, pos_key, names.object_expiry_key(batch.tenant),
-                      names.OBJECT_EXPIRY_TENANTS, *streams],
-                args=[*args, *entries])
+            try:
+                done = await self._publish(
+                    keys=[guard, pos_key, names.object_expiry_key(batch.tenant),
+                          names.OBJECT_EXPIRY_TENANTS, *streams],
+                    args=[*args, *entries])
+            except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
+                # The call may have been applied before Redis went away: its guard key tells,
+                # once Redis answers again, so that a 503 always means "nothing was written".
+                if await self._applied(guard):
+                    return
+                raise
             if done == 2:
                 raise ObjectQuotaExceeded(
                     f"tenant quota of {self.settings.tenant_max_objects} moving objects "
@@ -249,6 +257,20 @@ class Router:
                 return
         raise PublishContention(f"the positions of {len(moving_ids)} objects kept changing "
                                 f"under {PUBLISH_ATTEMPTS} attempts to publish them")
+
+    async def _applied(self, guard: str) -> bool:
+        """Whether the publish of `guard`, whose reply was lost, took effect; waits up to
+        PUBLISH_SETTLE_S for Redis to answer (a restart on its AOF), else raises."""
+        deadline = time.monotonic() + PUBLISH_SETTLE_S
+        while True:
+            try:
+                return bool(await self.redis.exists(guard))
+            except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
+                if time.monotonic() > deadline:
+                    log.error("a publish's outcome is unknown: Redis did not answer within "
+                              "%g s (guard %s)", PUBLISH_SETTLE_S, guard)
+                    raise
+                await asyncio.sleep(0.25)
 
     def _expiry(self, batch: records.RecordBatch, row: int) -> float:
         """When the moving object of `row` leaves the store: its own TTL or the default,
