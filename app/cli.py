@@ -330,23 +330,26 @@ def dev(
                                 "help_option_names": []})
 def bench(
     ctx: typer.Context,
-    name: Annotated[str, typer.Argument(help="matcher | pipeline | swarm")] = "--help",
+    name: Annotated[str, typer.Argument(help="matcher | pipeline | swarm | soak")] = "--help",
 ) -> None:
     """Benchmarks (bench/): `matcher` (the evaluator index against brute force), `pipeline`
-    (the whole system over HTTP and WebSockets) or `swarm` (SWARM §6.2: SWARM against its
-    baselines through hotspots). `geoswarm bench NAME --help` lists options."""
+    (the whole system over HTTP and WebSockets), `swarm` (SWARM §6.2: SWARM against its
+    baselines through hotspots) or `soak` (every process's memory under a steady load for N
+    minutes). `geoswarm bench NAME --help` lists options."""
     if name == "matcher":
         from bench.matcher import main as bench_main
     elif name == "pipeline":
         from bench.pipeline import main as bench_main
     elif name == "swarm":
         from bench.swarm import main as bench_main
+    elif name == "soak":
+        from bench.soak import main as bench_main
     elif name in ("--help", "-h"):
         # --help is left to the benchmarks (`bench NAME --help`), so answer it here
         typer.echo(ctx.get_help())
         return
     else:
-        typer.echo(f"unknown benchmark {name!r}: choose matcher, pipeline or swarm", err=True)
+        typer.echo(f"unknown benchmark {name!r}: choose matcher, pipeline, swarm or soak", err=True)
         raise typer.Exit(2)
     bench_main(list(ctx.args))
 
