@@ -392,6 +392,10 @@ class Router:
         pipe = self.redis.pipeline(transaction=True)
         for w in index.workers:
             pipe.xadd(names.worker_stream(w), {b"m": msg})
+        # A subscription that is gone cannot be read or resumed: its history and the marker
+        # that outlives it (30 days) go too.
+        for r in rows:
+            pipe.delete(names.history_key(r.id), names.history_last_key(r.id))
         await pipe.execute()
         ids = [r.id for r in rows]
         gone = wire.SubsGone(expired=ids) if reason == "expired" else wire.SubsGone(deleted=ids)
