@@ -485,11 +485,17 @@ class Executor:
             self.subs.add(m.tenant, m.id, spec, m.expires_at)
 
     def handle_subs_removed(self, ids: list[str]) -> None:
+        """Deleted or expired subscriptions. Their history keys go too (the api deleted them
+        already; this worker may have written to them since, from entries before this one)."""
         now = time.time()
+        held = [sid for sid in ids if sid in self.sub_msgs]
         for sid in ids:
             self.tombstones[sid] = now
             self.sub_msgs.pop(sid, None)
             self.ledger.remove_query(sid)
+        if held:
+            self.redis.delete(*[k for sid in held
+                                for k in (names.history_key(sid), names.history_last_key(sid))])
         for state in self.knn.values():
             for sid in ids:
                 if state.subs.pop(sid, None) is not None:

@@ -13,7 +13,9 @@ from typing import Any
 
 import httpx
 import pytest
+import redis
 
+from app.pipeline import names
 from tests.conftest import LiveServer, auth, start_server
 from tests.workers.harness import Listener, replay_all, wait_for
 from tests.workers.oracle import Oracle, received_matches
@@ -241,6 +243,11 @@ async def _delete_midstream(server: LiveServer) -> None:
         assert len({m["cursor"] for m in deleted}) == len(deleted) <= 20
         assert (await client.get(f"/v1/subscriptions/{sid}/matches",
                                  headers=auth(key))).status_code == 404
+        # its history and the marker that outlives a history are gone, not left for 30 days
+        rdb = redis.Redis.from_url(server.redis_url)
+        assert rdb.exists(names.history_key(sid), names.history_last_key(sid)) == 0
+        assert rdb.exists(names.history_last_key(keep)) == 1
+        rdb.close()
         await listener.close()
 
 

@@ -14,6 +14,7 @@ import httpx
 import pytest
 import redis
 
+from app.core.redis import EmbeddedRedis
 from app.pipeline import names, wire
 from tests.conftest import LiveServer, auth, start_server
 from tests.workers.oracle import Oracle
@@ -75,9 +76,10 @@ async def _crash_loop(server: LiveServer) -> None:
     rdb.close()
 
 
-def test_only_the_entry_that_crashes_the_worker_is_dead_lettered(tmp_path: Path,
-                                                                  redis_url: str) -> None:
-    server = start_server(tmp_path, redis_url, workers=1, GEOSWARM_MAX_DELIVERIES="2")
+def test_only_the_entry_that_crashes_the_worker_is_dead_lettered(
+        tmp_path: Path, embedded_redis: EmbeddedRedis) -> None:
+    server = start_server(tmp_path, embedded_redis.url, workers=1,
+                          GEOSWARM_MAX_DELIVERIES="2")
     try:
         server.wait_workers(1)
         asyncio.run(_crash_loop(server))
