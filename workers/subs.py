@@ -226,12 +226,12 @@ class TenantSubs:
                     targets = here  # a point outside our partitions: ask them all
                 if not targets:
                     continue
-                sel = rows if rows.size < lon.size else None
-                kws = keywords if sel is None else [keywords[i] for i in rows.tolist()]
+                whole = rows.size == lon.size
+                plon, plat = (lon, lat) if whole else (lon[rows], lat[rows])
+                kws = keywords if whole else [keywords[i] for i in rows.tolist()]
                 for index in targets:
-                    o, k = (index.match(lon, lat, kws) if sel is None
-                            else index.match(lon[rows], lat[rows], kws))
-                    found.append((o if sel is None else rows[o], k))
+                    o, k = index.match(plon, plat, kws)
+                    found.append((o if whole else rows[o], k))
         if not found:
             empty = np.empty(0, dtype=np.int64)
             return empty, empty

@@ -103,23 +103,18 @@ def last_writer_wins(batch: records.RecordBatch, moving_rows: list[int],
     prev: list[tuple[float, float] | None] = [None] * n
     late = [False] * n
     current = dict(stored)
-    latest_ts: dict[str, float] = {}
     writer: dict[str, int] = {}
     for i in moving_rows:
         oid = batch.ids[i]
         old = current[oid]
         if old is not None:
-            if oid not in latest_ts:
-                latest_ts[oid], plon, plat, _kws, _props = records.unpack_position(old)
-            else:
-                _ts, plon, plat, _kws, _props = records.unpack_position(old)
+            old_ts, plon, plat, _kws, _props = records.unpack_position(old)
             prev[i] = (plon, plat)
-            if batch.ts[i] < latest_ts[oid]:
+            if batch.ts[i] < old_ts:
                 late[i] = True
                 continue
         current[oid] = records.pack_position(batch.ts[i], batch.lon[i], batch.lat[i],
                                              batch.keywords[i], batch.props[i])
-        latest_ts[oid] = batch.ts[i]
         writer[oid] = i
     checks = []
     for oid, read in stored.items():

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import random
 import signal
-import time
 from pathlib import Path
 
 import httpx
@@ -17,7 +16,7 @@ from app.core.redis import EmbeddedRedis
 from tests.conftest import LiveServer, auth, start_server
 from tests.workers.oracle import Oracle
 from tests.workers.test_pipeline import create_subs, random_objects, random_subs
-from tests.workers.test_redis_faults import wait_exact
+from tests.workers.test_redis_faults import publish_once_accepted, wait_exact
 
 pytestmark = pytest.mark.slow
 
@@ -46,15 +45,9 @@ async def _overload(server: LiveServer) -> None:
         assert "max_backlog" in refused.json()["detail"]
         assert int(refused.headers["retry-after"]) >= 1
         worker.send_signal(signal.SIGCONT)
-        deadline = time.monotonic() + 30
-        while True:  # accepted again once the worker has caught up
-            objs = random_objects(rng, 20, movers, clock)
-            r = await client.post("/v1/objects", json={"objects": objs}, headers=auth(key))
-            if r.status_code == 202:
-                oracle.publish(objs, r.json()["ids"])
-                break
-            assert r.status_code == 503 and time.monotonic() < deadline, r.text
-            await asyncio.sleep(0.5)
+        # accepted again once the worker has caught up
+        await publish_once_accepted(client, key, oracle,
+                                    lambda: random_objects(rng, 20, movers, clock))
         await wait_exact(client, key, ids, oracle, timeout=60)
 
 

@@ -59,6 +59,20 @@ async def wait_exact(client: httpx.AsyncClient, key: str, ids: list[str], oracle
     assert_exact(await history_matches(client, key, ids), oracle)
 
 
+async def publish_once_accepted(client: httpx.AsyncClient, key: str, oracle: Oracle,
+                                objs: Any, timeout: float = 30) -> None:
+    """Publish `objs()` again until a 202 (503s while the system recovers), into the oracle."""
+    deadline = time.monotonic() + timeout
+    while True:
+        batch = objs()
+        r = await client.post("/v1/objects", json={"objects": batch}, headers=auth(key))
+        if r.status_code == 202:
+            oracle.publish(batch, r.json()["ids"])
+            return
+        assert r.status_code == 503 and time.monotonic() < deadline, r.text
+        await asyncio.sleep(0.5)
+
+
 # --- Redis SIGKILLed and restarted ----------------------------------------------------------
 
 @pytest.fixture
@@ -102,15 +116,8 @@ async def _redis_killed(server: LiveServer, settings: Settings,
         await asyncio.sleep(3)
         servers.append(restart_embedded_redis(settings, servers[-1]))
         # The system recovers by itself, and what comes after is matched too.
-        deadline = time.monotonic() + 30
-        while True:
-            objs = random_objects(rng, 50, movers, clock)
-            r = await client.post("/v1/objects", json={"objects": objs}, headers=auth(key))
-            if r.status_code == 202:
-                oracle.publish(objs, r.json()["ids"])
-                break
-            assert r.status_code == 503 and time.monotonic() < deadline, r.text
-            await asyncio.sleep(0.5)
+        await publish_once_accepted(client, key, oracle,
+                                    lambda: random_objects(rng, 50, movers, clock))
         for _ in range(4):
             objs = random_objects(rng, 50, movers, clock)
             r = await client.post("/v1/objects", json={"objects": objs}, headers=auth(key))
