@@ -330,12 +330,14 @@ def dev(
                                 "help_option_names": []})
 def bench(
     ctx: typer.Context,
-    name: Annotated[str, typer.Argument(help="matcher | pipeline | swarm | soak")] = "--help",
+    name: Annotated[str, typer.Argument(
+        help="matcher | pipeline | swarm | soak | snapshot")] = "--help",
 ) -> None:
     """Benchmarks (bench/): `matcher` (the evaluator index against brute force), `pipeline`
     (the whole system over HTTP and WebSockets), `swarm` (SWARM §6.2: SWARM against its
-    baselines through hotspots) or `soak` (every process's memory under a steady load for N
-    minutes). `geoswarm bench NAME --help` lists options."""
+    baselines through hotspots), `soak` (every process's memory under a steady load for N
+    minutes) or `snapshot` (snapshot queries against Redis GEOSEARCH on the same points).
+    `geoswarm bench NAME --help` lists options."""
     if name == "matcher":
         from bench.matcher import main as bench_main
     elif name == "pipeline":
@@ -344,12 +346,15 @@ def bench(
         from bench.swarm import main as bench_main
     elif name == "soak":
         from bench.soak import main as bench_main
+    elif name == "snapshot":
+        from bench.snapshot import main as bench_main
     elif name in ("--help", "-h"):
         # --help is left to the benchmarks (`bench NAME --help`), so answer it here
         typer.echo(ctx.get_help())
         return
     else:
-        typer.echo(f"unknown benchmark {name!r}: choose matcher, pipeline, swarm or soak", err=True)
+        typer.echo(f"unknown benchmark {name!r}: choose matcher, pipeline, swarm, soak or "
+                   "snapshot", err=True)
         raise typer.Exit(2)
     bench_main(list(ctx.args))
 

@@ -24,7 +24,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.api.deps import authenticate_request
 from app.api.openapi import TENANT, errors, install_openapi
-from app.api.routes import admin, dashboard, health, keys, objects, stream, subscriptions
+from app.api.routes import admin, dashboard, health, keys, objects, queries, stream, subscriptions
 from app.core.config import Settings, get_settings
 from app.core.db import make_engine, make_sessionmaker
 from app.core.errors import ApiError, integrity_problem, is_redis_oom
@@ -33,6 +33,7 @@ from app.core.security import AuthFailures, install_log_redaction
 from app.core.state import AppState
 from app.pipeline.expiry import expiry_loop
 from app.pipeline.hub import Hub
+from app.pipeline.queries import QueryService
 from app.pipeline.router import Router
 from app.services.quotas import slot_renew_loop
 from app.services.revocation import key_recheck_loop
@@ -281,6 +282,7 @@ def create_app(settings: Settings | None = None, redis_url: str | None = None) -
         state = AppState(settings=settings, engine=engine, sessions=make_sessionmaker(engine),
                          redis=client, redis_url=url)
         state.router = Router(settings, client)
+        state.queries = QueryService(settings, client, state.router)
         state.hub = Hub(state)
         app.state.gs = state
         await state.router.refresh()
@@ -299,6 +301,7 @@ def create_app(settings: Settings | None = None, redis_url: str | None = None) -
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError, TimeoutError, Exception):
                     await asyncio.wait_for(task, 5)
+            await state.queries.stop()
             await state.hub.stop()
             try:
                 await asyncio.wait_for(client.aclose(), 5)
@@ -319,7 +322,7 @@ def create_app(settings: Settings | None = None, redis_url: str | None = None) -
     app.state.auth_failures = AuthFailures(settings.auth_fail_limit, settings.auth_fail_window_s)
     install_log_redaction()
     install_error_handlers(app)
-    for module in (health, keys, subscriptions, objects, stream, admin, dashboard):
+    for module in (health, keys, subscriptions, objects, queries, stream, admin, dashboard):
         # stream.py's one HTTP route is the replay, GET /v1/subscriptions/{sub_id}/matches (the
         # WebSocket is not in the OpenAPI document).
         app.include_router(module.router, responses=_REPLAY_ERRORS if module is stream else None)

@@ -33,6 +33,7 @@ from app.geo.balance import Decision, DecisionPointer, mergeable
 from app.geo.index import Partition, Plan
 from app.models import BalancerRound
 from app.pipeline import cluster, names, wire
+from workers.failover import FAILOVER_SCRIPT, failover_args, failover_plan
 from workers.lease import LEASE_SOCKET_TIMEOUT_S, Lease, LostLease
 
 log = logging.getLogger(__name__)
@@ -44,6 +45,7 @@ REPLY_TTL_S = 60
 REQUEST_BLOCK_MAX_S = 0.5  # longest BLPOP on the request list: config and lease are re-read
 MERGE_EVERY = 4  # merge adjacent partitions every 4th round in which nothing moved
 MIN_PERIOD_S = 0.1
+FAILOVER_CHECK_S = 0.5  # how often the leader looks for dead workers that own partitions
 STOP_GRACE_S = 2.0  # after SIGTERM, how much longer to wait for a reply to a command sent
 
 # The leader's writes that others act on are fenced by the lease: a coordinator that lost it
@@ -92,14 +94,14 @@ class RoundRecord:
 
     round: int
     started_at: float
-    kind: str  # auto | manual
+    kind: str  # auto | manual | failover
     stage: str
-    decision: str  # nothing | rebalance | skipped | manual
+    decision: str  # nothing | rebalance | skipped | manual | failover
     r_s: float = 0.0
     costs: dict[str, Any] = field(default_factory=dict)
     mh: str | None = None
     ml: str | None = None
-    action: str = "none"  # none | move | split | merge
+    action: str = "none"  # none | move | split | merge | failover
     details: dict[str, Any] = field(default_factory=dict)
     plan_version: int | None = None
     duration_ms: float = 0.0
@@ -144,6 +146,8 @@ class Coordinator:
         self._xadd = self.redis.register_script(FENCED_XADD)
         self._set = self.redis.register_script(FENCED_SET)
         self._allocate = self.redis.register_script(cluster.ALLOCATE_IDS_SCRIPT)
+        self._failover = self.redis.register_script(FAILOVER_SCRIPT)
+        self.last_failover_check = 0.0
         self.engine = make_engine(settings)
         self.sessions = make_sessionmaker(self.engine)
         self.defaults = BalancerConfig(enabled=settings.partitioning == "swarm",
@@ -208,6 +212,9 @@ class Coordinator:
             self.take_over(cfg)
         self.pointer.beta = cfg.beta
         now = time.time()
+        if now - self.last_failover_check >= FAILOVER_CHECK_S:
+            self.last_failover_check = now
+            self.fail_over()
         due_at = self.last_round_at + cfg.period_s
         if cfg.enabled and now >= due_at:
             self.run_round("auto", cfg)
@@ -364,6 +371,46 @@ class Coordinator:
             if wid in live and rep is not None and math.isfinite(rep.num + rep.r_m):
                 reports[wid] = rep
         return reports
+
+    # --- failover (workers.failover) -------------------------------------------------------
+    def fail_over(self) -> None:
+        """Hand the partitions of a worker that stopped beating (and was seen beating once:
+        one still starting is not dead) to the live workers, with an adopter for its stream.
+        One dead worker per call; the next call sees the plan this one published."""
+        if self.settings.partitioning == "replicated":
+            return  # no partitions: objects are spread over every worker by id
+        plan = self.plan()
+        if plan is None:
+            return
+        now = time.time()
+        beats = self.redis.hgetall(names.WORKERS_KEY)
+        live = cluster.live_workers(beats.items(), now, self.settings.worker_dead_after_s)
+        seen = {k.decode() if isinstance(k, bytes) else k for k in beats}
+        dead = sorted({p.worker for p in plan.partitions} & seen - set(live))
+        if not live or not dead:
+            return
+        w = dead[0]
+        self.check()
+        started = time.monotonic()
+        fence = self.redis.get(names.fence_key(w))
+        count = sum(p.worker == w for p in plan.partitions)
+        new, given = failover_plan(plan, w, live, iter(self.new_ids(plan, count)))
+        keys, args = failover_args(names.LEASE_KEY, self.id, plan, new, fence, w, given, now)
+        if not int(self._failover(keys=keys, args=args)):
+            log.info("failover of %s not applied: the plan, its fence or the lease changed", w)
+            return
+        adopter = next(iter(given))
+        rec = RoundRecord(round=self.next_round(), started_at=now, kind="failover",
+                          stage=self.pointer.stage.name, decision="failover", mh=w, ml=adopter,
+                          action="failover", plan_version=new.version,
+                          details={"leader": self.id, "dead": w, "adopter": adopter,
+                                   "given": given,
+                                   "dead_after_s": self.settings.worker_dead_after_s})
+        rec.duration_ms = (time.monotonic() - started) * 1000
+        self.record(rec)
+        log.warning("worker %s has no heartbeat for %g s: its %d partitions went to %s (plan "
+                    "%d); %s processes its stream until it returns", w,
+                    self.settings.worker_dead_after_s, count, given, new.version, adopter)
 
     # --- rounds (§4.3.1) -------------------------------------------------------------------
     def run_round(self, kind: str, cfg: BalancerConfig) -> RoundRecord:

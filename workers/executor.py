@@ -36,9 +36,12 @@ from app.pipeline.router import (
 )
 from app.services.subscriptions import all_live
 from workers.decide import Matches, decide
+from workers.failover import Adoption, Fenced, fence_lost, load_window, watch_fence
 from workers.knn import MERGE_SCRIPT, KnnState, KnnSub, knn_sub
 from workers.ledger import SwarmLedger, rect_of
 from workers.migration import CommandRefused, Migration
+from workers.records import RecordWindow, TenantRecords, records_of
+from workers.snapshot import evaluate
 from workers.subs import LocalSubs
 
 log = logging.getLogger(__name__)
@@ -91,6 +94,13 @@ class Executor:
         self._merge = self.redis.register_script(MERGE_SCRIPT)
         self._history = self.redis.register_script(HISTORY_SCRIPT)
         self.pending_history: list[tuple[str, int, list[str], list[bytes], dict[str, bytes]]] = []
+        # Snapshot queries: the window's records, those of the entries being processed (kept
+        # once their transaction commits) and the queries among them, each with the number of
+        # those records it comes after.
+        self.window_stream = names.window_stream(worker_id)
+        self.records = RecordWindow(settings.window_s, settings.bucket_s)
+        self.pending_records: list[wire.ObjectBatch] = []
+        self.pending_queries: list[tuple[wire.QueryPart, int]] = []
         # SWARM load balancing (§4.2-§5).
         self.cmd_stream = names.command_stream(worker_id)
         self.replicated = settings.partitioning == "replicated"
@@ -105,27 +115,50 @@ class Executor:
         self.owned_ids: list[str] = []  # for the heartbeat thread (never mutated in place)
         self.sql_live: set[str] = set()  # subscription ids alive in SQL at the last rebuild
         self.replaying = False
+        # Failover (workers.failover): the epoch of our stream's fence, and the streams of
+        # dead workers this worker processes in their place.
+        self.epoch = 0
+        self.adoptions: dict[str, Adoption] = {}
+        self.to_adopt: list[str] = []
 
     # --- lifecycle -----------------------------------------------------------------------
     def run(self) -> None:
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
         self._ensure_group()
+        # Our stream is ours again: an adoption of it (we were failed over) ends here.
+        self.epoch = int(self.redis.incr(names.fence_key(self.id)))
+        self.redis.delete(names.adopter_key(self.id))
         self.load_plan()
         self.sync_stats()
-        self._rebuild_positions()
-        self._rebuild_subscriptions()
+        # Beat before the rebuilds: a restart must not look like a death (failover).
         self._heartbeat()
         beat = threading.Thread(target=self._heartbeat_loop, daemon=True)
         beat.start()
+        self.rebuild_positions()
+        self.rebuild_subscriptions()
+        self._rebuild_window()
         self._recover_pending(after_crash=True)
-        log.info("worker %s ready (pid %d)", self.id, os.getpid())
+        self.to_adopt = [m.decode() for m in self.redis.smembers(names.adopted_key(self.id))]
+        log.info("worker %s ready (pid %d, fence epoch %d)", self.id, os.getpid(), self.epoch)
         while not self.stopping:
             try:
                 if self.must_recover:
+                    # A transaction whose reply was lost may have committed: the window log
+                    # says which records are ours.
+                    self._rebuild_window()
                     self._recover_pending()
+                    # adoptions start again: their pending entries are replayed the same way
+                    self.to_adopt.extend(self.adoptions)
+                    self.adoptions.clear()
                     self.must_recover = False
+                self._adopt()
                 self._step()
+            except Fenced as exc:
+                # Declared dead and failed over while we were stopped: our partitions and
+                # stream belong to others now. Exit; a restart takes the stream back cleanly.
+                log.error("worker %s: %s; exiting (a restart rejoins the cluster)", self.id, exc)
+                raise SystemExit(3) from exc
             except (redis.ConnectionError, redis.TimeoutError) as exc:
                 log.warning("worker %s: redis unavailable (%s); retrying", self.id, exc)
                 self.must_recover = True
@@ -171,8 +204,10 @@ class Executor:
         assert self.index is not None
         return self.index.plan.version
 
-    def _rebuild_subscriptions(self) -> None:
-        """Rebuild this worker's subscriptions from SQL (stream replay covers later changes)."""
+    def rebuild_subscriptions(self, parts: list[Partition] | None = None,
+                               pipe: Any = None) -> None:
+        """Rebuild this worker's subscriptions from SQL (stream replay covers later changes);
+        with `parts`, only the range subscriptions over those partitions (a takeover)."""
         engine = make_engine(self.settings)
         try:
             with make_sessionmaker(engine)() as session:
@@ -181,6 +216,11 @@ class Executor:
         finally:
             engine.dispose()
         assert self.index is not None
+        if parts is not None:
+            mine = [m for m in msgs if m.spec["type"] == "range" and any(
+                p.overlaps(*rect_of(self.index.grid, m.spec)) for p in parts)]
+            self.add_subscriptions(mine, pipe)
+            return
         # Entries replayed after a crash may add subscriptions deleted before it (the
         # tombstones died with the process): during the replay only these count as live.
         self.sql_live = {m.id for m in msgs}
@@ -189,10 +229,13 @@ class Executor:
         self.add_subscriptions(mine)
         log.info("worker %s rebuilt %d subscriptions from SQL", self.id, len(mine))
 
-    def _rebuild_positions(self) -> None:
-        """Moving objects whose latest position lies in this worker's partitions (kNN state);
-        events of the window are not rebuilt after a crash."""
+    def rebuild_positions(self, parts: list[Partition] | None = None
+                           ) -> dict[str, list[tuple[float, float, frozenset[str]]]]:
+        """Moving objects whose latest position lies in this worker's partitions (or in
+        `parts`) into the kNN state, and the positions added per tenant; events of the window
+        are not rebuilt after a crash."""
         assert self.index is not None
+        added: dict[str, list[tuple[float, float, frozenset[str]]]] = {}
         me = self.index.workers.index(self.id) if self.id in self.index.workers else -1
         for key in self.redis.scan_iter(match=names.POSITIONS_PREFIX + "*", count=1000):
             tenant = key.decode()[len(names.POSITIONS_PREFIX):]
@@ -205,15 +248,29 @@ class Executor:
                 rest.append((ts, kws))
             if not ids:
                 continue
-            if self.replicated:  # objects are spread by a hash of their id (router.py)
+            if parts is not None:
+                cx, cy = self.index.grid.cells_of(np.asarray(lons), np.asarray(lats))
+                mine = np.zeros(len(ids), dtype=bool)
+                for p in parts:
+                    mine |= p.contains_cells(cx, cy)
+            elif self.replicated:  # objects are spread by a hash of their id (router.py)
                 n = len(self.index.workers)
-                owner = np.asarray([replicated_worker_of(tenant, i, n) for i in ids])
+                mine = np.asarray([replicated_worker_of(tenant, i, n) for i in ids]) == me
             else:
-                owner = self.index.worker_of_points(np.asarray(lons), np.asarray(lats))
+                mine = self.index.worker_of_points(np.asarray(lons), np.asarray(lats)) == me
             state = self.knn_state(tenant)
-            for i in np.flatnonzero(owner == me).tolist():
-                state.objects.upsert_moving(ids[i], float(lons[i]), float(lats[i]),
-                                            frozenset(rest[i][1]), float(rest[i][0]))
+            for i in np.flatnonzero(mine).tolist():
+                words = frozenset(rest[i][1])
+                state.objects.upsert_moving(ids[i], float(lons[i]), float(lats[i]), words,
+                                            float(rest[i][0]))
+                added.setdefault(tenant, []).append((float(lons[i]), float(lats[i]), words))
+        return added
+
+    def _rebuild_window(self) -> None:
+        """The records of the live window from the window log (see `workers.records`)."""
+        self.records = load_window(self.redis, self.window_stream, self.settings.window_s,
+                                   self.settings.bucket_s, f"worker {self.id}")
+        log.info("worker %s rebuilt its window: %d records", self.id, len(self.records))
 
     def knn_state(self, tenant: str) -> KnnState:
         state = self.knn.get(tenant)
@@ -268,7 +325,7 @@ class Executor:
             if not stale:
                 break
             self.redis.xack(self.cmd_stream, names.GROUP, *stale)
-        self._claim_others()
+        self.claim_others(self.stream)
         while not self.stopping:
             # Reading pending entries counts a delivery of each entry read.
             reply = self.redis.xreadgroup(names.GROUP, self.id, {self.stream: "0"},
@@ -281,9 +338,9 @@ class Executor:
     def _step(self) -> None:
         # Commands are read in the same call as objects: an idle worker wakes at once, a busy
         # one sees them after the current batch, not behind its whole backlog.
-        reply = self.redis.xreadgroup(names.GROUP, self.id,
-                                      {self.stream: ">", self.cmd_stream: ">"},
-                                      count=256, block=1000)
+        streams = {self.stream: ">", self.cmd_stream: ">",
+                   **{a.stream: ">" for a in self.adoptions.values()}}
+        reply = self.redis.xreadgroup(names.GROUP, self.id, streams, count=256, block=1000)
         # Commands first: entries read in the same call that a move made stale are then
         # forwarded (either order is correct; this one never delays a command behind a batch).
         by_stream = {(s.decode() if isinstance(s, bytes) else s): e for s, e in reply or []}
@@ -291,6 +348,9 @@ class Executor:
             self._command(eid, fields)
         if by_stream.get(self.stream):
             self._process(by_stream[self.stream], replay=False)
+        for adoption in list(self.adoptions.values()):
+            if by_stream.get(adoption.stream):
+                self._adopted(adoption, by_stream[adoption.stream])
         now = time.time()
         if now - self.last_trim > MAINTENANCE_S:
             self.last_trim = now
@@ -300,20 +360,59 @@ class Executor:
                 self._recover_pending()
             self._trim(now)
             self._expire_window(now)
+            for adoption in list(self.adoptions.values()):
+                if adoption.still_ours():
+                    adoption.records.expire(now)
+                else:
+                    self._end_adoption(adoption, "its worker is back")
 
-    def _claim_others(self) -> None:
-        """Take over entries pending under another consumer name of this stream (JUSTID:
+    # --- failover (workers.failover) -----------------------------------------------------
+    def _adopt(self) -> None:
+        """Start processing the streams of dead workers given to us (a takeover names us
+        their adopter; after a restart, the set of our adoptions)."""
+        while self.to_adopt:
+            dead = self.to_adopt.pop()
+            if dead in self.adoptions or dead == self.id:
+                continue
+            adopter, fence = self.redis.mget([names.adopter_key(dead), names.fence_key(dead)])
+            if adopter is None or adopter.decode() != self.id:
+                self.redis.srem(names.adopted_key(self.id), dead)
+                continue
+            adoption = Adoption(self, dead, int(fence or 0))
+            self.adoptions[dead] = adoption
+            try:
+                adoption.start()
+            except Fenced as exc:
+                self._end_adoption(adoption, str(exc))
+
+    def _adopted(self, adoption: Adoption, entries: list[tuple[bytes, dict[bytes, bytes]]]
+                 ) -> None:
+        try:
+            adoption.process(entries)
+        except Fenced as exc:
+            self._end_adoption(adoption, str(exc))
+
+    def _end_adoption(self, adoption: Adoption, why: str) -> None:
+        """The dead worker is back (or another failover took its stream): what we read of it
+        and left unacknowledged stays pending, and its owner claims it at its start."""
+        self.adoptions.pop(adoption.dead, None)
+        self.redis.srem(names.adopted_key(self.id), adoption.dead)
+        log.info("worker %s stopped processing the stream of %s (%s); forwarded %d records",
+                 self.id, adoption.dead, why, adoption.forwarded)
+
+    def claim_others(self, stream: str) -> None:
+        """Take over entries of `stream` pending under another consumer name (JUSTID:
         claiming counts no delivery; reading them does)."""
-        summary = self.redis.xpending(self.stream, names.GROUP)
+        summary = self.redis.xpending(stream, names.GROUP)
         for c in (summary or {}).get("consumers") or []:
             name = c["name"].decode() if isinstance(c["name"], bytes) else c["name"]
             if name == self.id or not int(c["pending"]):
                 continue
-            rows = self.redis.xpending_range(self.stream, names.GROUP, min="-", max="+",
+            rows = self.redis.xpending_range(stream, names.GROUP, min="-", max="+",
                                              count=int(c["pending"]), consumername=name)
             ids = [r["message_id"] for r in rows]
             for a in range(0, len(ids), 500):
-                self.redis.xclaim(self.stream, names.GROUP, self.id, min_idle_time=0,
+                self.redis.xclaim(stream, names.GROUP, self.id, min_idle_time=0,
                                   message_ids=ids[a:a + 500], justid=True)
 
     def _pending_count(self) -> int:
@@ -324,9 +423,22 @@ class Executor:
                  after_crash: bool = False) -> None:
         """Match, write and acknowledge entries read from the stream. `replay`: they were read
         before (skip those whose matches are written); `after_crash`: by an earlier process
-        (dead-letter those delivered too often; see `_recover_pending`)."""
+        (dead-letter those delivered too often; see `_recover_pending`). The transaction
+        commits only while our stream's fence is ours (raises Fenced otherwise)."""
+        pipe = self.redis.pipeline(transaction=True)
+        try:
+            watch_fence(pipe, self.id, self.epoch)
+            self._process_in(pipe, entries, replay, after_crash)
+        except redis.WatchError as exc:
+            raise fence_lost(self.redis, self.id, self.epoch, exc) from exc
+        finally:
+            pipe.reset()
+
+    def _process_in(self, pipe: Any, entries: list[tuple[bytes, dict[bytes, bytes]]],
+                    replay: bool, after_crash: bool) -> None:
         self.replaying = after_crash
         self.pending_history = []  # what a step cut short queued is written by its replay
+        self.pending_records, self.pending_queries = [], []
         ids = [e[0] for e in entries]
         if replay:
             done = self.redis.mget([names.done_key(self.id, i.decode()) for i in ids])
@@ -336,7 +448,7 @@ class Executor:
                 if d is not None:
                     continue  # matches already written; only the XACK was lost
                 if counts.get(eid, 0) > self.settings.max_deliveries:
-                    self._dead_letter(eid, fields, "delivered too often")
+                    self.dead_letter(eid, fields, "delivered too often")
                     continue
                 keep.append((eid, fields))
             entries = keep
@@ -345,8 +457,7 @@ class Executor:
             try:
                 msgs.append(wire.decode_entry(fields[b"m"]))
             except (KeyError, ValueError) as exc:  # a poison entry must not stop the shard
-                self._dead_letter(eid, fields, f"undecodable: {exc}")
-        pipe = self.redis.pipeline(transaction=True)
+                self.dead_letter(eid, fields, f"undecodable: {exc}")
         notify: dict[str, set[str]] = {}
         # Consecutive object entries of one tenant are matched as one batch; control
         # messages keep their place in the stream order.
@@ -373,6 +484,12 @@ class Executor:
                 self.handle_subs_removed(msg.ids)
             elif isinstance(msg, wire.ObjectsGone):
                 self.handle_objects_gone(msg, pipe, notify)
+            elif isinstance(msg, wire.QueryPart):
+                self.pending_queries.append((msg, len(self.pending_records)))
+            elif isinstance(msg, wire.Takeover):
+                self.migration.receive_takeover(msg, pipe, notify)
+                if msg.adopter == self.id:
+                    self.to_adopt.append(msg.dead)
             else:
                 self.migration.receive_handoff(msg, pipe, notify)
         if group:
@@ -393,8 +510,40 @@ class Executor:
                                     names.HISTORY_LAST_TTL_S, *refs[a:a + HISTORY_CHUNK]],
                               client=pipe)
         results = pipe.execute()
+        self._keep_records()
         self.notify(writes, [results[i] for i in slots], notify)
         self.redis.xack(self.stream, names.GROUP, *ids)
+
+    def _keep_records(self) -> None:
+        """After the commit: the entries' records join the window, and each query is answered
+        at its place among them (it sees the records of the entries before it)."""
+        now = time.time()
+        records, self.pending_records = self.pending_records, []
+        queries, self.pending_queries = self.pending_queries, []
+        pipe = self.redis.pipeline(transaction=False)  # empty without queries: no round trip
+        q = 0
+        for pos in range(len(records) + 1):
+            while q < len(queries) and queries[q][1] == pos:
+                part = queries[q][0]
+                self.answer(part, pipe, self.records.tenants.get(part.tenant), self.id)
+                q += 1
+            if pos < len(records):
+                self.records.add(records[pos], now)
+        pipe.execute()
+
+    def answer(self, part: wire.QueryPart, pipe: Any, records: TenantRecords | None,
+               worker: str) -> None:
+        """Answer a query part from `records` (those `worker` holds) on `pipe`."""
+        if time.time() > part.deadline:
+            return  # the api has given up on it
+        try:
+            reply = evaluate(records, part, worker)
+        except Exception as exc:  # a query must not take the worker down
+            log.exception("worker %s: snapshot query failed", self.id)
+            reply = wire.QueryReply(worker=self.id, error=f"{type(exc).__name__}: {exc}")
+        key = names.query_reply_key(part.reply)
+        pipe.rpush(key, wire.encode_query_reply(reply))
+        pipe.expire(key, 120)
 
     def notify(self, writes: list[tuple[str, int, list[str], list[bytes], dict[str, bytes]]],
                 replies: list[list[bytes]], notify: dict[str, set[str]]) -> None:
@@ -427,24 +576,26 @@ class Executor:
             out[mid if isinstance(mid, bytes) else mid.encode()] = int(row["times_delivered"])
         return out
 
-    def _dead_letter(self, eid: bytes, fields: dict[bytes, bytes], why: str) -> None:
-        log.error("worker %s: entry %s to the dead-letter stream: %s", self.id, eid, why)
-        self.redis.xadd(names.DEAD_LETTER, {b"stream": self.stream.encode(), b"id": eid,
+    def dead_letter(self, eid: bytes, fields: dict[bytes, bytes], why: str,
+                    stream: str | None = None) -> None:
+        stream = stream or self.stream
+        log.error("worker %s: entry %s of %s to the dead-letter stream: %s", self.id, eid,
+                  stream, why)
+        self.redis.xadd(names.DEAD_LETTER, {b"stream": stream.encode(), b"id": eid,
                                         b"why": why.encode(), **fields}, maxlen=100_000)
-        self.redis.xack(self.stream, names.GROUP, eid)
+        self.redis.xack(stream, names.GROUP, eid)
         self.redis.incr(names.DEAD_LETTER_COUNT)
 
     def _trim(self, now: float) -> None:
         """Trim the worker stream below the oldest pending entry (never what is pending) and
         the history streams this worker wrote to by age."""
         try:
-            groups = self.redis.xinfo_groups(self.stream)
-            last = next((g["last-delivered-id"] for g in groups
-                         if g["name"] in (names.GROUP, names.GROUP.encode())), None)
-            summary = self.redis.xpending(self.stream, names.GROUP)
-            floor = summary["min"] if summary and summary.get("pending") else last
-            if floor:
-                self.redis.execute_command("XTRIM", self.stream, "MINID", floor)
+            for stream in (self.stream, *(a.stream for a in self.adoptions.values())):
+                self.trim_stream(stream)
+            # the window log keeps a bucket more than the window (records expire by bucket)
+            oldest = (self.records.horizon(now) - 1) * self.settings.bucket_s
+            self.redis.execute_command("XTRIM", self.window_stream, "MINID", "~",
+                                       f"{int(oldest * 1000)}-0")
             if self.touched:
                 min_id = f"{int((now - self.settings.history_max_age_s) * 1000)}-0"
                 pipe = self.redis.pipeline(transaction=False)
@@ -454,6 +605,16 @@ class Executor:
                 self.touched.clear()
         except redis.ResponseError as exc:
             log.warning("worker %s: trim failed: %s", self.id, exc)
+
+    def trim_stream(self, stream: str) -> None:
+        """Trim a stream we consume below its oldest pending entry (or its last delivered)."""
+        groups = self.redis.xinfo_groups(stream)
+        last = next((g["last-delivered-id"] for g in groups
+                     if g["name"] in (names.GROUP, names.GROUP.encode())), None)
+        summary = self.redis.xpending(stream, names.GROUP)
+        floor = summary["min"] if summary and summary.get("pending") else last
+        if floor:
+            self.redis.execute_command("XTRIM", stream, "MINID", floor)
 
     # --- subscriptions -------------------------------------------------------------------
     def handle_subs_added(self, msg: wire.SubsAdded, pipe: Any,
@@ -518,6 +679,11 @@ class Executor:
 
     def _match_group(self, group: list[wire.ObjectBatch], pipe: Any,
                      notify: dict[str, set[str]]) -> None:
+        for msg in group:
+            kept = records_of(msg)
+            if kept is not None:
+                self.pending_records.append(kept)
+                pipe.xadd(self.window_stream, {b"m": wire.encode_entry(kept)})
         batch = wire.ObjectBatch.concat(group)
         tenant = batch.tenant
         at = [b.sent_at for b in group for _ in b.ids]
@@ -572,7 +738,9 @@ class Executor:
                                 bucket=int(time.time() // self.settings.bucket_s))
 
     def _expire_window(self, now: float) -> None:
-        """Objects that left the window decrement N (§4.2.2); old tombstones are forgotten."""
+        """Objects that left the window decrement N (§4.2.2) and leave the records; old
+        tombstones are forgotten."""
+        self.records.expire(now)
         self.ledger.expire(int((now - self.settings.window_s) // self.settings.bucket_s))
         cutoff = now - TOMBSTONE_S
         for sid in [s for s, t in self.tombstones.items() if t < cutoff]:

@@ -49,16 +49,19 @@ class Migration:
     def __init__(self, executor: Executor) -> None:
         self.ex = executor
 
-    def reroute(self, msg: wire.ObjectBatch, pipe: Any) -> wire.ObjectBatch | None:
-        """An entry routed with an older plan: rows whose new position is owned by another
-        worker now go there unprocessed, and each exit decision goes to the owner of the
-        previous position, so each record is decided exactly once even across a move. Returns
-        what stays here (None when nothing does)."""
+    def reroute(self, msg: wire.ObjectBatch, pipe: Any, owner: str | None = None
+                ) -> wire.ObjectBatch | None:
+        """An entry routed with an older plan to `owner` (this worker unless it adopted a dead
+        worker's stream): rows whose new position is owned by another worker now go there
+        unprocessed, and each exit decision goes to the owner of the previous position, so
+        each record is decided exactly once even across a move. Returns what stays with
+        `owner` (None when nothing does)."""
         ex = self.ex
         ex.load_plan()  # forward with the newest plan we can see
         assert ex.index is not None
         index = ex.index
-        me = index.workers.index(ex.id) if ex.id in index.workers else -1
+        owner = owner or ex.id
+        me = index.workers.index(owner) if owner in index.workers else -1
         n = len(msg)
         new_w = index.worker_of_points(np.asarray(msg.lon, dtype=np.float64),
                                        np.asarray(msg.lat, dtype=np.float64))
@@ -96,33 +99,39 @@ class Migration:
                 ex.forwarded += len(rows)
         return local
 
-    def forward_subs(self, subs: list[wire.SubscriptionCopy], pipe: Any) -> None:
-        """Subscriptions routed with an older plan: also send them to the workers that own
-        their regions now (adding is idempotent; deleted ids are tombstoned)."""
+    def forward_subs(self, subs: list[wire.SubscriptionCopy], pipe: Any,
+                     owner: str | None = None) -> None:
+        """Subscriptions routed with an older plan to `owner` (this worker unless adopted):
+        also send them to the other workers that own their regions now (adding is
+        idempotent; deleted ids are tombstoned)."""
         ex = self.ex
         ex.load_plan()
         assert ex.index is not None
+        owner = owner or ex.id
         fwd: dict[str, list[wire.SubscriptionCopy]] = {}
         for m in subs:
             if m.spec["type"] != "range" or m.id in ex.tombstones:
                 continue  # keyword and kNN subscriptions are on every worker already
             for w in targets_for_spec(ex.index, m.spec):
-                if w != ex.id:
+                if w != owner:
                     fwd.setdefault(w, []).append(m)
         for w, ms in fwd.items():
             pipe.xadd(names.worker_stream(w), {b"m": wire.encode_entry(
                 wire.SubsAdded(subs=ms, plan_version=ex.version))})
+
+    def _load_plan_of(self, version: int, what: str) -> None:
+        """Load the plan a handoff or takeover was published with (or a newer one)."""
+        ex = self.ex
+        ex.load_plan()
+        if ex.version < version:
+            raise RuntimeError(f"{what} for plan {version} but the stored plan is older")
 
     def receive_handoff(self, msg: wire.Handoff, pipe: Any,
                          notify: dict[str, set[str]]) -> None:
         """mL's side of a move (§5.1): the partitions' subscriptions, window statistics and
         moving objects, read before anything routed to us under the new plan."""
         ex = self.ex
-        ex.load_plan()
-        assert ex.index is not None
-        if ex.version < msg.plan_version:
-            raise RuntimeError(f"handoff for plan {msg.plan_version} but the stored plan is "
-                               "older")
+        self._load_plan_of(msg.plan_version, "handoff")
         ledger = ex.ledger
         for pid in msg.partitions:
             # seen early in a plan reload: seed it again, now with what the handoff brings
@@ -146,6 +155,29 @@ class Migration:
                 notify.setdefault(tenant, set()).update(s.id for s in changed)
         log.info("worker %s received %s from %s (plan %d): %d subscriptions",
                  ex.id, msg.partitions, msg.sender, msg.plan_version, len(msg.subs))
+
+    def receive_takeover(self, msg: wire.Takeover, pipe: Any,
+                         notify: dict[str, set[str]]) -> None:
+        """A failover gave us partitions of a dead worker (workers.failover): what its handoff
+        would have carried is rebuilt from SQL (range subscriptions over them) and the
+        latest-position store (moving objects in them); its local kNN lists leave the merged
+        lists, which are merged again."""
+        ex = self.ex
+        self._load_plan_of(msg.plan_version, "takeover")
+        ex.sync_stats()
+        taken = set(msg.partitions)
+        parts = [p for p in ex.owned() if p.id in taken]
+        ex.rebuild_subscriptions(parts, pipe)
+        added = ex.rebuild_positions(parts)
+        for tenant, state in ex.knn.items():
+            for sub in state.subs.values():
+                pipe.hdel(names.knn_key(sub.id), msg.dead)
+            state.refresh(True, added.get(tenant, []))
+            if state.subs:
+                ex.merge_knn(tenant, list(state.subs.values()), pipe)
+                notify.setdefault(tenant, set()).update(state.subs)
+        log.info("worker %s took over %s of dead worker %s (plan %d)", ex.id, msg.partitions,
+                 msg.dead, msg.plan_version)
 
     def transfer(self, new_plan: Plan) -> dict[str, Any]:
         """Apply a plan that changes only this worker's partitions: hand the partitions given

@@ -85,6 +85,8 @@ class Settings(BaseSettings):
     workers: Annotated[list[str], NoDecode] = ["w0", "w1"]  # executor ids of the initial plan
     worker_heartbeat_s: float = 1.0
     worker_dead_after_s: float = 5.0
+    # a snapshot query not answered by every worker it asked within this fails (503)
+    query_timeout_s: float = 30.0
 
     # --- per-tenant quotas (0: unlimited) -----------------------------------------
     tenant_max_subscriptions: int = 100_000  # live subscriptions of one tenant

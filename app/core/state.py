@@ -15,6 +15,7 @@ from app.core.errors import Unavailable
 
 if TYPE_CHECKING:
     from app.pipeline.hub import Hub
+    from app.pipeline.queries import QueryService
     from app.pipeline.router import Router
 
 
@@ -27,6 +28,7 @@ class AppState:
     redis_url: str
     router: Router | None = None
     hub: Hub | None = None
+    queries: QueryService | None = None
 
 
 async def require_plan(state: AppState) -> None:

@@ -77,7 +77,7 @@ class BalancerRound(Model):
     seq: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     round: Mapped[int] = mapped_column(Integer, nullable=False)
     started_at: Mapped[float] = mapped_column(Float, nullable=False)
-    kind: Mapped[str] = mapped_column(String(16), nullable=False)  # auto | manual
+    kind: Mapped[str] = mapped_column(String(16), nullable=False)  # auto | manual | failover
     r_s: Mapped[float] = mapped_column(Float, nullable=False)  # R(S)
     costs: Mapped[dict[str, object]] = mapped_column(JSON, nullable=False)  # worker -> C(m)
     stage: Mapped[str] = mapped_column(String(16), nullable=False)

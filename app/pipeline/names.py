@@ -117,3 +117,37 @@ def object_expiry_key(tenant: str) -> str:
 
 
 OBJECT_EXPIRY_TENANTS = "gs:posexp:tenants"  # set: tenants whose moving objects can expire
+
+
+def window_stream(worker: str) -> str:
+    """The records a worker holds in its live window (`wire.ObjectBatch` in field `m`, with
+    their arrival time): what it rebuilds its window from after a restart. Trimmed by age."""
+    return f"gs:win:{worker}"
+
+
+def query_reply_key(token: str) -> str:
+    """List: the workers' `wire.QueryReply` to one round of a snapshot query."""
+    return f"gs:qr:{token}"
+
+
+def query_key(query_id: str) -> str:
+    """A snapshot query's state (JSON: tenant, status, results or error), for
+    `GET /v1/queries/{id}` from any api process; it expires an hour after the query ends."""
+    return f"gs:query:{query_id}"
+
+
+def fence_key(worker: str) -> str:
+    """Integer epoch of whoever consumes a worker's stream: the worker takes it (INCR) when it
+    starts, a failover takes it from a dead worker. Every transaction of a consumer WATCHes
+    it, so a worker declared dead that wakes up cannot commit anything (workers.failover)."""
+    return f"gs:fence:{worker}"
+
+
+def adopter_key(worker: str) -> str:
+    """The live worker that processes a dead worker's stream until it returns."""
+    return f"gs:adopt:{worker}"
+
+
+def adopted_key(worker: str) -> str:
+    """Set: the dead workers whose streams `worker` processes."""
+    return f"gs:adopted:{worker}"

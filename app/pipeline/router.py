@@ -23,6 +23,7 @@ from app.geo.index import GlobalIndex, Plan, initial_plan
 from app.models import Subscription
 from app.pipeline import names, records, wire
 from app.pipeline.cluster import ALLOCATE_IDS_SCRIPT, live_workers, load_plan, part_seq_floor
+from app.pipeline.control import history_entry
 
 log = logging.getLogger(__name__)
 
@@ -432,7 +433,13 @@ async def ensure_plan(redis: aioredis.Redis, settings: Settings, workers: list[s
     if plan is None or sorted(GlobalIndex(plan).workers) != sorted(workers):
         version = 1 if plan is None else plan.version + 1
         plan = make_plan(settings, workers, version)
-        await redis.set(names.PLAN_KEY, plan.to_json())
-        await redis.publish(names.PLAN_CHANNEL, str(plan.version))
+        plan_json = plan.to_json()
+        pipe = redis.pipeline(transaction=True)
+        pipe.set(names.PLAN_KEY, plan_json)
+        # the first plan of a worker set starts the history snapshot queries read
+        pipe.rpush(names.PLAN_HISTORY, history_entry(plan_json, plan.version, time.time()))
+        pipe.ltrim(names.PLAN_HISTORY, -names.PLAN_HISTORY_MAX, -1)
+        pipe.publish(names.PLAN_CHANNEL, str(plan.version))
+        await pipe.execute()
     await redis.eval(ALLOCATE_IDS_SCRIPT, 1, names.PART_SEQ, part_seq_floor(plan), 0)
     return plan

@@ -3,7 +3,9 @@ decoder per stream or channel (msgpack through msgspec, which decodes and valida
 step). Field names say what they are; the short keys on the wire stay short through renaming.
 
 - a worker's stream (`names.worker_stream`): `WorkerEntry` = ObjectBatch | SubsAdded |
-  SubsRemoved | Handoff, in field `m`;
+  SubsRemoved | ObjectsGone | Handoff | QueryPart | Takeover, in field `m`;
+- a worker's window log (`names.window_stream`): the ObjectBatch of records it stored;
+- a snapshot query's reply list (`names.query_reply_key`): QueryReply;
 - a worker's command stream (`names.command_stream`): `Command` = RoundCommand |
   ReduceCommand | MoveCommand | SplitCommand | MergeCommand (SWARM §4.3, §5);
 - `names.NOTIFY_CHANNEL`: `Notification` = HistoryAppended | SubsChanged (workers -> hubs);
@@ -122,7 +124,107 @@ class Handoff(msgspec.Struct, tag="handoff", tag_field="t", rename={
     stats: dict[str, Any] = {}
 
 
-WorkerEntry = ObjectBatch | SubsAdded | SubsRemoved | ObjectsGone | Handoff
+class Takeover(msgspec.Struct, tag="take", tag_field="t", rename={
+        "plan_version": "v", "partitions": "parts"}):
+    """Coordinator -> the workers that receive a dead worker's partitions (failover): what a
+    handoff would carry is rebuilt from SQL and the latest-position store, and the dead
+    worker's local kNN lists leave the merged ones. `adopter` processes the dead worker's
+    stream until it returns (workers.failover)."""
+
+    plan_version: int
+    dead: str
+    adopter: str
+    partitions: list[str]
+
+
+# --- snapshot queries (SSTD §4's snapshot versions, CheetahGIS §IV's aggregator) -----------
+
+QueryType = Literal["range", "knn", "keyword", "topk_terms", "count"]
+
+
+class SnapshotQuery(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A validated snapshot query (API.md QUERY) as the api hands it to the workers. Region:
+    `bbox`, or `circle` = (lon, lat, radius_m), or none (keyword; knn has `point`). Time:
+    records with `t_from` <= ts <= `t_to` (None: unbounded on that side). `latest`: only the
+    latest record of each moving object within the time range. `limit` caps range and keyword
+    results (newest first), `k` is knn's k and topk_terms' number of terms."""
+
+    type: QueryType
+    bbox: tuple[float, float, float, float] | None = None
+    circle: tuple[float, float, float] | None = None
+    point: tuple[float, float] | None = None
+    k: int = 0
+    keywords: list[str] = []
+    match_all: bool = False
+    t_from: float | None = None
+    t_to: float | None = None
+    latest: bool = False
+    limit: int = 1000
+
+
+class QueryPart(msgspec.Struct, tag="q", tag_field="t", kw_only=True):
+    """One worker's share of a snapshot query, behind the entries routed to it before (so a
+    query sees every object accepted before it). `reply` names the list the worker pushes its
+    `QueryReply` to; `as_of` (the api's clock when the query started) excludes records that
+    arrived later, so that every round of one query sees the same records. `limit` is the
+    per-worker cap of this round (the aggregator raises it when a round could not be exact).
+    `latest_of`: instead of evaluating the query, report this worker's latest record time
+    (<= query.t_to) of each of these moving objects (the check of `latest` answers)."""
+
+    reply: str
+    tenant: str
+    query: SnapshotQuery
+    as_of: float
+    deadline: float
+    limit: int = 0
+    latest_of: list[str] | None = None
+
+
+class FoundRecord(msgspec.Struct, array_like=True):
+    """A record in a query reply: the public fields, whether it is a moving object's record
+    (`moving`), when it arrived (`at`) and its distance to a knn query's point."""
+
+    id: str
+    lon: float
+    lat: float
+    ts: float
+    keywords: list[str]
+    text: str | None
+    props: dict[str, Any] | None
+    moving: bool
+    at: float
+    distance_m: float = 0.0
+
+
+class QueryReply(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A worker's answer to a `QueryPart`. `records`: range/keyword (newest first) and knn
+    (nearest first) answers, at most the part's limit, `truncated` when more matched; with
+    `latest`, count and topk_terms also list the moving objects' candidate records here (the
+    aggregator checks them), and `count` / `terms` cover the rest. `latest`: the reply to
+    `latest_of` (object id -> latest ts). `error`: why the worker could not answer."""
+
+    worker: str
+    records: list[FoundRecord] = []
+    truncated: bool = False
+    count: int = 0
+    terms: dict[str, int] = {}
+    latest: dict[str, float] = {}
+    error: str | None = None
+
+
+_reply_decoder = msgspec.msgpack.Decoder(QueryReply)
+
+
+def encode_query_reply(reply: QueryReply) -> bytes:
+    return _entry_encoder.encode(reply)
+
+
+def decode_query_reply(data: bytes) -> QueryReply:
+    return _reply_decoder.decode(data)
+
+
+WorkerEntry = (ObjectBatch | SubsAdded | SubsRemoved | ObjectsGone | Handoff | QueryPart
+               | Takeover)
 
 _entry_encoder = msgspec.msgpack.Encoder()
 _entry_decoder = msgspec.msgpack.Decoder(WorkerEntry)

@@ -7,7 +7,9 @@ from typing import Annotated, Any, Literal
 
 import orjson
 from pydantic import (
+    AfterValidator,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Discriminator,
     Field,
@@ -110,14 +112,42 @@ def _check_bbox(v: list[float] | None) -> list[float] | None:
     return v
 
 
+def bbox_items(v: Any) -> Any:
+    """A bbox's four items, before type coercion: numbers, finite, within the world (a
+    message naming the item)."""
+    if isinstance(v, list) and len(v) == 4:
+        for i, c in enumerate(v):
+            if isinstance(c, bool) or not isinstance(c, int | float):
+                raise ValueError(f"bbox[{i}] must be a number")
+            if not math.isfinite(c):
+                raise ValueError(f"bbox[{i}] must be finite")
+        lim = (180, 90, 180, 90)
+        for i, c in enumerate(v):
+            if abs(c) > lim[i]:
+                raise ValueError(f"bbox[{i}] = {c} is outside ±{lim[i]}")
+    return v
+
+
+def check_point(v: list[float]) -> list[float]:
+    """A [lon, lat] point: finite and within the world."""
+    lon, lat = v
+    if not (math.isfinite(lon) and math.isfinite(lat)):
+        raise ValueError("point must be finite [lon, lat]")
+    if not (-180 <= lon <= 180 and -90 <= lat <= 90):
+        raise ValueError("point must be [lon, lat] with -180 ≤ lon ≤ 180, -90 ≤ lat ≤ 90")
+    return v
+
+
 # JSON Schema cannot say min ≤ max across items: the descriptions do, and the validators check.
 _LON_DOC = {"type": "number", "minimum": -180, "maximum": 180}
 _LAT_DOC = {"type": "number", "minimum": -90, "maximum": 90}
-BBox = Annotated[list[float], Field(
+# Validated where it is declared: every model with a bbox checks it the same way.
+BBox = Annotated[list[float], BeforeValidator(bbox_items), Field(
     min_length=4, max_length=4,
     description="[min_lon, min_lat, max_lon, max_lat] with min_lon ≤ max_lon and "
     "min_lat ≤ max_lat; boundaries inclusive.",
-    json_schema_extra={"prefixItems": [_LON_DOC, _LAT_DOC, _LON_DOC, _LAT_DOC]})]
+    json_schema_extra={"prefixItems": [_LON_DOC, _LAT_DOC, _LON_DOC, _LAT_DOC]}),
+    AfterValidator(_check_bbox)]
 Point = Annotated[list[Annotated[float, Field(strict=True)]], Field(
     min_length=2, max_length=2, description="[lon, lat]",
     json_schema_extra={"prefixItems": [_LON_DOC, _LAT_DOC]})]
@@ -177,26 +207,6 @@ class RangeSubscription(_KeywordPredicate):
                            shape("RangeCircleSubscription", "circle", "bbox")]
         return ref
 
-    @field_validator("bbox", mode="before")
-    @classmethod
-    def _bbox_items(cls, v: Any) -> Any:
-        if isinstance(v, list) and len(v) == 4:
-            for i, c in enumerate(v):
-                if isinstance(c, bool) or not isinstance(c, int | float):
-                    raise ValueError(f"bbox[{i}] must be a number")
-                if not math.isfinite(c):
-                    raise ValueError(f"bbox[{i}] must be finite")
-            lim = (180, 90, 180, 90)
-            for i, c in enumerate(v):
-                if abs(c) > lim[i]:
-                    raise ValueError(f"bbox[{i}] = {c} is outside ±{lim[i]}")
-        return v
-
-    @field_validator("bbox")
-    @classmethod
-    def _bbox_order(cls, v: list[float] | None) -> list[float] | None:
-        return _check_bbox(v)
-
     @field_validator("detect", mode="before")
     @classmethod
     def _detect_one(cls, v: Any) -> Any:
@@ -235,12 +245,7 @@ class KnnSubscription(_KeywordPredicate):
     @field_validator("point")
     @classmethod
     def _point(cls, v: list[float]) -> list[float]:
-        lon, lat = v
-        if not (math.isfinite(lon) and math.isfinite(lat)):
-            raise ValueError("point must be finite [lon, lat]")
-        if not (-180 <= lon <= 180 and -90 <= lat <= 90):
-            raise ValueError("point must be [lon, lat] with -180 ≤ lon ≤ 180, -90 ≤ lat ≤ 90")
-        return v
+        return check_point(v)
 
 
 SubscriptionIn = Annotated[

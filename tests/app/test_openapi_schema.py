@@ -163,8 +163,9 @@ def as_worded(case: Any) -> None:
 
 
 def _worded_body(body: Any) -> Any:
-    """bboxes in order (min ≤ max: lon swapped with lon, lat with lat), whole floats spelled as
-    integers (JSON Schema reads 5.0 as an integer, the server refuses it)."""
+    """bboxes in order (min ≤ max: lon swapped with lon, lat with lat), a snapshot query's time
+    range inside the live window, whole floats spelled as integers (JSON Schema reads 5.0 as an
+    integer, the server refuses it)."""
     if isinstance(body, list):
         return [_worded_body(item) for item in body]
     if isinstance(body, dict):
@@ -174,10 +175,23 @@ def _worded_body(body: Any) -> Any:
                 and all(isinstance(c, int | float) and not isinstance(c, bool) for c in bbox)):
             body["bbox"] = [min(bbox[0], bbox[2]), min(bbox[1], bbox[3]),
                             max(bbox[0], bbox[2]), max(bbox[1], bbox[3])]
+        _in_window(body)
         return body
     if isinstance(body, float) and body.is_integer():
         return int(body)
     return body
+
+
+def _in_window(body: dict[str, Any]) -> None:
+    """A query's `from` before the live window's start, or a `to` before `from`, is a 422 the
+    schema cannot express (the window moves with the clock): moved inside, ordered."""
+    number = (int, float)
+    t_from, t_to = body.get("from"), body.get("to")
+    if isinstance(t_from, number) and not isinstance(t_from, bool) and t_from < time.time() - 600:
+        body["from"] = t_from = int(time.time()) - 60
+    if (isinstance(t_from, number) and isinstance(t_to, number) and not isinstance(t_to, bool)
+            and t_to < t_from):
+        body["to"] = t_from
 
 
 # --- the app, its Redis, database, worker and coordinator ------------------------------------

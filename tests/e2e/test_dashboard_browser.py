@@ -187,9 +187,11 @@ def test_dashboard_in_headless_chromium(cluster: LiveServer, browser: Any, tmp_p
          and "w1 (" in text("legend"))
     features = get("/v1/admin/partitions")["features"]
     assert len(features) >= 2
-    legend = {s.find_element(By.XPATH, "..").text.split(" (")[0]:
-              s.value_of_css_property("background-color")
-              for s in d.find_elements(By.CSS_SELECTOR, "#legend .swatch")}
+    # read in one script: the page redraws the legend on every poll, and elements found one
+    # call before may be gone the next
+    legend = {label.split(" (")[0]: colour for label, colour in d.execute_script(
+        "return [...document.querySelectorAll('#legend .swatch')].map(s =>"
+        " [s.parentElement.innerText, getComputedStyle(s).backgroundColor]);")}
     hues_by_worker: dict[str, set[int]] = {}
     for f in features:
         a, b, c, e = f["bbox"]

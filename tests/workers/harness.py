@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Callable, Coroutine
+from pathlib import Path
 from typing import Any
 
 import httpx
 import orjson
 import websockets
+
+from bench.cluster import LiveServer, start_server
 
 
 class Listener:
@@ -91,3 +95,16 @@ async def replay_all(client: httpx.AsyncClient, sub: str, headers: dict[str, str
             return items
         items.extend(body["items"])
         since = body["next_cursor"]
+
+
+def run_on_cluster(tmp: Path, redis_url: str, workers: int,
+                   scenario: Callable[[LiveServer], Coroutine[Any, Any, None]],
+                   **env: str) -> None:
+    """Start an api and `workers` workers (settings `env`), run the async scenario against
+    them and stop them, whatever happens."""
+    server = start_server(tmp, redis_url, workers=workers, **env)
+    try:
+        server.wait_workers(workers)
+        asyncio.run(scenario(server))
+    finally:
+        server.stop()

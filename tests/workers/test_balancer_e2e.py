@@ -48,8 +48,10 @@ def hotspot_objects(rng: random.Random, n: int, centre: tuple[float, float],
 
 
 @pytest.fixture
-def cluster(tmp_path: Any, redis_url: str):  # type: ignore[no-untyped-def]
-    s = start_server(tmp_path, redis_url, workers=2, GEOSWARM_BALANCE_PERIOD_S="0.5",
+def cluster(tmp_path: Any, embedded_redis: Any):  # type: ignore[no-untyped-def]
+    # The embedded server only: the protocol is the same on Redis 7 (test_balancing.py and
+    # test_pipeline.py run there too), and each of these takes tens of seconds.
+    s = start_server(tmp_path, embedded_redis.url, workers=2, GEOSWARM_BALANCE_PERIOD_S="0.5",
                      GEOSWARM_BALANCE_BETA="1")
     s.wait_workers(2)
     yield s

@@ -4,7 +4,6 @@ bounded by `tenant_max_objects` (real api and worker processes, a real WebSocket
 
 from __future__ import annotations
 
-import asyncio
 import time
 from pathlib import Path
 from typing import Any
@@ -13,8 +12,8 @@ import httpx
 import pytest
 
 from app.core.redis import EmbeddedRedis
-from tests.conftest import LiveServer, auth, start_server
-from tests.workers.harness import Listener, wait_for
+from tests.conftest import LiveServer, auth
+from tests.workers.harness import Listener, run_on_cluster, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -68,10 +67,4 @@ async def _ttl(server: LiveServer) -> None:
 
 def test_moving_objects_expire_and_are_bounded(tmp_path: Path, embedded_redis: EmbeddedRedis
                                                ) -> None:
-    server = start_server(tmp_path, embedded_redis.url, workers=2,
-                          GEOSWARM_TENANT_MAX_OBJECTS="3")
-    try:
-        server.wait_workers(2)
-        asyncio.run(_ttl(server))
-    finally:
-        server.stop()
+    run_on_cluster(tmp_path, embedded_redis.url, 2, _ttl, GEOSWARM_TENANT_MAX_OBJECTS="3")

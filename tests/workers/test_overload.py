@@ -13,7 +13,8 @@ import httpx
 import pytest
 
 from app.core.redis import EmbeddedRedis
-from tests.conftest import LiveServer, auth, start_server
+from tests.conftest import LiveServer, auth
+from tests.workers.harness import run_on_cluster
 from tests.workers.oracle import Oracle
 from tests.workers.test_pipeline import create_subs, random_objects, random_subs
 from tests.workers.test_redis_faults import publish_once_accepted, wait_exact
@@ -53,9 +54,4 @@ async def _overload(server: LiveServer) -> None:
 
 def test_backlog_bound_refuses_then_recovers(tmp_path: Path, embedded_redis: EmbeddedRedis
                                              ) -> None:
-    server = start_server(tmp_path, embedded_redis.url, workers=1, GEOSWARM_MAX_BACKLOG="5")
-    try:
-        server.wait_workers(1)
-        asyncio.run(_overload(server))
-    finally:
-        server.stop()
+    run_on_cluster(tmp_path, embedded_redis.url, 1, _overload, GEOSWARM_MAX_BACKLOG="5")

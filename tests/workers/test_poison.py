@@ -16,7 +16,8 @@ import redis
 
 from app.core.redis import EmbeddedRedis
 from app.pipeline import names, wire
-from tests.conftest import LiveServer, auth, start_server
+from tests.conftest import LiveServer, auth
+from tests.workers.harness import run_on_cluster
 from tests.workers.oracle import Oracle
 from tests.workers.test_pipeline import create_subs, random_objects, random_subs
 from tests.workers.test_redis_faults import wait_exact
@@ -78,10 +79,4 @@ async def _crash_loop(server: LiveServer) -> None:
 
 def test_only_the_entry_that_crashes_the_worker_is_dead_lettered(
         tmp_path: Path, embedded_redis: EmbeddedRedis) -> None:
-    server = start_server(tmp_path, embedded_redis.url, workers=1,
-                          GEOSWARM_MAX_DELIVERIES="2")
-    try:
-        server.wait_workers(1)
-        asyncio.run(_crash_loop(server))
-    finally:
-        server.stop()
+    run_on_cluster(tmp_path, embedded_redis.url, 1, _crash_loop, GEOSWARM_MAX_DELIVERIES="2")

@@ -229,7 +229,7 @@ def test_connected_client_behind_the_retention_gets_gap(tmp_path: Path,
         assert b"listening" in ws.recv_frame()[1]
         pad = "p" * 4000
         sent_ts: list[float] = []
-        for i in range(300):  # about 36 MB of matches while the client reads nothing
+        for i in range(150):  # about 18 MB of matches while the client reads nothing
             batch = [{"lon": 40.5, "lat": 40.5, "ts": i + j / 100, "props": {"pad": pad}}
                      for j in range(30)]
             _publish(s, key, batch)

@@ -6,6 +6,7 @@ that cuts connections after a transaction or script is sent and before its reply
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import random
 import signal
 import socket
@@ -21,8 +22,9 @@ import pytest
 
 from app.core.config import Settings
 from app.core.redis import EmbeddedRedis, restart_embedded_redis, start_embedded_redis
-from tests.conftest import LiveServer, auth, start_server
-from tests.workers.harness import replay_all
+from app.pipeline.router import PUBLISH_SCRIPT
+from tests.conftest import LiveServer, auth
+from tests.workers.harness import replay_all, run_on_cluster
 from tests.workers.oracle import Oracle, received_matches
 from tests.workers.test_pipeline import assert_exact, create_subs, random_objects, random_subs
 
@@ -130,12 +132,8 @@ async def _redis_killed(server: LiveServer, settings: Settings,
 def test_redis_sigkill_and_restart_lose_and_duplicate_nothing(
         tmp_path: Path, own_redis: tuple[Settings, list[EmbeddedRedis]]) -> None:
     settings, servers = own_redis
-    server = start_server(tmp_path / "cluster", servers[0].url, workers=2)
-    try:
-        server.wait_workers(2)
-        asyncio.run(_redis_killed(server, settings, servers))
-    finally:
-        server.stop()
+    run_on_cluster(tmp_path / "cluster", servers[0].url, 2,
+                   lambda server: _redis_killed(server, settings, servers))
 
 
 async def _killed_mid_burst(server: LiveServer, settings: Settings,
@@ -181,12 +179,8 @@ async def _killed_mid_burst(server: LiveServer, settings: Settings,
 def test_redis_sigkill_mid_burst_every_answer_is_exact(
         tmp_path: Path, own_redis: tuple[Settings, list[EmbeddedRedis]]) -> None:
     settings, servers = own_redis
-    server = start_server(tmp_path / "cluster", servers[0].url, workers=2)
-    try:
-        server.wait_workers(2)
-        asyncio.run(_killed_mid_burst(server, settings, servers))
-    finally:
-        server.stop()
+    run_on_cluster(tmp_path / "cluster", servers[0].url, 2,
+                   lambda server: _killed_mid_burst(server, settings, servers))
 
 
 # --- replies lost after the call was applied ------------------------------------------------
@@ -196,8 +190,10 @@ class CuttingProxy:
     script (EVALSHA), forwards the call, lets Redis apply it, then closes the connection
     without the reply: the client sees a connection error for a call that took effect."""
 
-    def __init__(self, target_port: int, every: int, most: int, outage_s: float = 0.0) -> None:
+    def __init__(self, target_port: int, every: int, most: int, outage_s: float = 0.0,
+                 only: bytes | None = None) -> None:
         self.target_port = target_port
+        self.only = only  # count only the calls that contain this (a script's sha)
         self.every = every
         self.most = most
         self.outage_s = outage_s  # after a cut, Redis stays unreachable this long
@@ -223,13 +219,16 @@ class CuttingProxy:
             upstream = socket.create_connection(("127.0.0.1", self.target_port))
             with self.lock:
                 self.open.update((client, upstream))
-            threading.Thread(target=self._pump, args=(client, upstream, True),
+            muted = threading.Event()  # set: the replies on this connection are dropped
+            threading.Thread(target=self._pump, args=(client, upstream, True, muted),
                              daemon=True).start()
-            threading.Thread(target=self._pump, args=(upstream, client, False),
+            threading.Thread(target=self._pump, args=(upstream, client, False, muted),
                              daemon=True).start()
 
     def _cut_now(self, data: bytes) -> bool:
         if b"\r\nEXEC\r\n" not in data and b"\r\nEVALSHA\r\n" not in data.upper():
+            return False
+        if self.only is not None and self.only not in data:
             return False
         with self.lock:
             self.seen += 1
@@ -238,14 +237,22 @@ class CuttingProxy:
                 return True
         return False
 
-    def _pump(self, src: socket.socket, dst: socket.socket, from_client: bool) -> None:
+    def _pump(self, src: socket.socket, dst: socket.socket, from_client: bool,
+              muted: threading.Event) -> None:
         try:
             while True:
                 data = src.recv(65536)
                 if not data:
                     break
+                if not from_client:
+                    if not muted.is_set():
+                        dst.sendall(data)
+                    continue
+                cut = self._cut_now(data)
+                if cut:
+                    muted.set()  # before Redis can answer: the reply must never reach the client
                 dst.sendall(data)
-                if from_client and self._cut_now(data):
+                if cut:
                     # The rest of the call (a long one spans several reads) still goes through,
                     # and Redis applies it; its reply is never passed on.
                     src.settimeout(0.05)
@@ -297,22 +304,29 @@ async def _lost_replies(server: LiveServer, proxy: CuttingProxy) -> None:
                 oracle.publish(objs, r.json()["ids"])
             else:  # a publish the api could not complete must have changed nothing
                 assert r.status_code == 503, r.text
+                if proxy.only is not None:
+                    await asyncio.sleep(1.0)  # Redis is away: publish again once it is back
         await wait_exact(client, key, ids, oracle, timeout=120)
     assert proxy.cuts >= (5 if not proxy.outage_s else 3), proxy.cuts  # the faults happened
 
 
-@pytest.mark.parametrize("outage_s", [0.0, 1.5], ids=["retried", "redis-away"])
+@pytest.mark.parametrize("outage_s,only_publish", [(0.0, False), (1.5, False), (2.5, True)],
+                         ids=["retried", "redis-away", "publish-outcome"])
 def test_replies_lost_after_commit_apply_once(tmp_path: Path, embedded_redis: EmbeddedRedis,
-                                              outage_s: float) -> None:
+                                              outage_s: float, only_publish: bool) -> None:
     """The call is sent again at once (and must then apply once), or Redis stays away past the
     client's retries (and the api must learn the outcome before answering: 202 only when
-    applied, 503 only when not)."""
+    applied, 503 only when not). The last variant cuts only publishes, each after it was
+    applied, with Redis away longer than the api client's retries: the api can learn the
+    outcome only from the publish's guard key (answering 503 would be a lie the oracle sees:
+    the matches of an object the client was told was not accepted)."""
     port = int(embedded_redis.url.rsplit(":", 1)[1].split("/", 1)[0])
-    proxy = CuttingProxy(port, every=6, most=25 if not outage_s else 8, outage_s=outage_s)
-    server = start_server(tmp_path, f"redis://127.0.0.1:{proxy.port}/0", workers=2)
+    only = hashlib.sha1(PUBLISH_SCRIPT.encode()).hexdigest().encode() if only_publish else None
+    proxy = CuttingProxy(port, every=6 if not only_publish else 4,
+                         most=25 if not outage_s else (8 if not only_publish else 3),
+                         outage_s=outage_s, only=only)
     try:
-        server.wait_workers(2)
-        asyncio.run(_lost_replies(server, proxy))
+        run_on_cluster(tmp_path, f"redis://127.0.0.1:{proxy.port}/0", 2,
+                       lambda server: _lost_replies(server, proxy))
     finally:
-        server.stop()
         proxy.close()

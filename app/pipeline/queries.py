@@ -1,0 +1,383 @@
+"""Snapshot queries over the live window: the aggregator (CheetahGIS §IV) that fans a query
+out to the workers holding the records it can see and merges their answers, knowing how many
+answers to wait for.
+
+Which workers: the owners of the partitions the query's region overlaps under the current
+plan and under every older plan still valid within the window (SSTD's versioned mapping,
+SWARM §5.2's parent partitions: a worker keeps the records it stored after their partition
+moves on). A query part travels in each worker's stream behind the entries routed there
+before it, so it sees every object accepted before the query; `as_of` keeps later arrivals out
+of every round of it. A worker that does not answer fails the query (503, naming it): never a
+silently partial result.
+
+Rounds: one round answers most queries exactly. Merging per-worker lists cut at a limit is
+exact up to the smallest cut-off among the cut lists; when `latest` removed records and fewer
+than the limit are left below it, the round is repeated with a larger per-worker limit.
+`latest` answers are checked against every worker's latest record of each moving object
+(`QueryPart.latest_of`): the record kept is the latest of all, not only of one worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import orjson
+import redis.asyncio as aioredis
+
+from app.core.config import Settings
+from app.geo.index import GlobalIndex, Plan
+from app.pipeline import names, wire
+from app.pipeline.cluster import heartbeat_fresh
+from app.pipeline.records import public_record
+from app.pipeline.router import Router
+
+log = logging.getLogger(__name__)
+
+QUERY_TTL_S = 3600  # how long a finished query's answer can be read
+MAX_ROUNDS = 8  # per-worker limit x4 each round: enough for any limit up to 10 000 x 4^7
+
+
+class QueryFailed(Exception):
+    """A query that cannot be answered exactly (a worker did not answer, or failed)."""
+
+
+SortKey = Callable[[wire.FoundRecord], tuple[Any, ...]]
+
+
+def newest_first(r: wire.FoundRecord) -> tuple[Any, ...]:
+    return (-r.ts, r.id, -r.at)
+
+
+def nearest_first(r: wire.FoundRecord) -> tuple[Any, ...]:
+    return (r.distance_m, r.id, -r.ts, -r.at)
+
+
+def merge_listed(replies: list[wire.QueryReply], key: SortKey,
+                 keep: Callable[[wire.FoundRecord], bool], limit: int
+                 ) -> tuple[list[wire.FoundRecord], bool, bool]:
+    """Merge per-worker lists sorted by `key`, keeping the records `keep` accepts. Returns
+    (the first `limit` records, whether more matched, whether the answer is exact): a list
+    cut at its limit hides what lies after its last record, so only merged records up to the
+    smallest such cut-off are certain; if fewer than `limit` are, the round must be repeated
+    with a larger per-worker limit."""
+    cutoff: tuple[Any, ...] | None = None
+    for reply in replies:
+        if reply.truncated and reply.records:
+            last = key(reply.records[-1])
+            cutoff = last if cutoff is None or last < cutoff else cutoff
+    merged = sorted((r for reply in replies for r in reply.records if keep(r)), key=key)
+    if cutoff is None:
+        return merged[:limit], len(merged) > limit, True
+    certain = [r for r in merged if key(r) <= cutoff]
+    if len(certain) >= limit:
+        return certain[:limit], True, True
+    return certain, True, False
+
+
+def plan_workers(index: GlobalIndex, query: wire.SnapshotQuery) -> set[str]:
+    """The owners under a plan of the partitions the query's region overlaps (every worker
+    for a query without a region)."""
+    if query.bbox is not None:
+        return index.workers_for_bbox(query.bbox)
+    if query.circle is not None:
+        return index.workers_for_circle(*query.circle)
+    return set(index.workers)
+
+
+class QueryService:
+    """Runs snapshot queries for one api process; their state lives in Redis, so that any api
+    process answers `GET /v1/queries/{id}`."""
+
+    def __init__(self, settings: Settings, redis: aioredis.Redis, router: Router) -> None:
+        self.settings = settings
+        self.redis = redis
+        self.router = router
+        # plan version -> (valid_from, its index): an index costs milliseconds to build
+        self._history: dict[int, tuple[float, GlobalIndex]] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    # --- the public side -----------------------------------------------------------------
+    async def submit(self, tenant: str, query: wire.SnapshotQuery, wait_s: float
+                     ) -> dict[str, Any]:
+        """Start a query and wait up to `wait_s` for it. The public body: `{"id", "status":
+        "done", "results", "sources", "truncated"}`, `{"id", "status": "running"}` or
+        `{"id", "status": "failed", "error"}`."""
+        query_id = "q" + secrets.token_hex(10)
+        started = time.time()
+        await self._store(query_id, {"tenant": tenant, "status": "running",
+                                     "started": started,
+                                     "deadline": started + self.settings.query_timeout_s})
+        result: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        task = asyncio.create_task(self._run(query_id, tenant, query, started, result),
+                                   name=f"query-{query_id}")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        try:
+            return await asyncio.wait_for(asyncio.shield(result), timeout=wait_s)
+        except TimeoutError:
+            return {"id": query_id, "status": "running"}
+
+    async def status(self, tenant: str, query_id: str) -> dict[str, Any] | None:
+        """The public body of a query of this tenant, or None (unknown, or another tenant's)."""
+        if not query_id.isascii() or len(query_id) > 64:
+            return None
+        raw = await self.redis.get(names.query_key(query_id))
+        if raw is None:
+            return None
+        doc = orjson.loads(raw)
+        if doc.get("tenant") != tenant:
+            return None
+        if doc["status"] == "running" and time.time() > doc["deadline"] + 5:
+            # the api process running it stopped before it could store the outcome
+            return {"id": query_id, "status": "failed",
+                    "error": "the api process running the query stopped; run it again"}
+        return {"id": query_id, **{k: v for k, v in doc.items()
+                                   if k not in ("tenant", "started", "deadline")}}
+
+    async def stop(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+
+    async def _store(self, query_id: str, doc: dict[str, Any]) -> None:
+        await self.redis.set(names.query_key(query_id), orjson.dumps(doc), ex=QUERY_TTL_S)
+
+    async def _run(self, query_id: str, tenant: str, query: wire.SnapshotQuery,
+                   started: float, result: asyncio.Future[dict[str, Any]]) -> None:
+        try:
+            body = {"id": query_id, "status": "done", **await self.execute(tenant, query)}
+        except QueryFailed as exc:
+            body = {"id": query_id, "status": "failed", "error": str(exc)}
+        except Exception as exc:  # Redis away, a bug: the query fails, the process lives
+            log.exception("snapshot query %s failed", query_id)
+            body = {"id": query_id, "status": "failed",
+                    "error": f"the query could not run: {type(exc).__name__}: {exc}"}
+        if not result.done():
+            result.set_result(body)
+        try:
+            await self._store(query_id, {"tenant": tenant, "started": started,
+                                         "deadline": started + self.settings.query_timeout_s,
+                                         **{k: v for k, v in body.items() if k != "id"}})
+        except Exception as exc:
+            log.warning("could not store the outcome of query %s: %s", query_id, exc)
+
+    # --- evaluation ----------------------------------------------------------------------
+    async def execute(self, tenant: str, query: wire.SnapshotQuery) -> dict[str, Any]:
+        """`{"results", "sources", "truncated"}` of a query over the live window."""
+        as_of = time.time()
+        deadline = as_of + self.settings.query_timeout_s
+        index = await self.router.current_index()
+        targets = await self.targets(index, query, as_of)
+        # `latest` answers are checked with every worker holding part of the window
+        everyone = (await self.targets(index, wire.SnapshotQuery(type="keyword"), as_of)
+                    if query.latest else [])
+        run = _Run(self, tenant, query, as_of, deadline, everyone)
+        if query.type in ("count", "topk_terms"):
+            replies = await run.round(targets, 0)
+            verified = await run.verified(replies)
+            counted = sum(r.count for r in replies) + len(verified)
+            if query.type == "count":
+                return {"results": [{"count": counted}], "sources": {"live": counted},
+                        "truncated": False}
+            terms: Counter[str] = Counter()
+            for reply in replies:
+                terms.update(reply.terms)
+            for rec in verified:
+                terms.update(rec.keywords)
+            top = sorted(terms.items(), key=lambda t: (-t[1], t[0]))[:query.k]
+            return {"results": [{"term": t, "count": c} for t, c in top],
+                    "sources": {"live": counted}, "truncated": len(terms) > query.k}
+        limit = query.k if query.type == "knn" else query.limit
+        key = nearest_first if query.type == "knn" else newest_first
+        per_worker = limit
+        for _ in range(MAX_ROUNDS):
+            replies = await run.round(targets, per_worker)
+            keep = await run.latest_filter(replies)
+            records, more, exact = merge_listed(replies, key, keep, limit)
+            if exact:
+                results = [_public(r, query.type == "knn") for r in records]
+                return {"results": results, "sources": {"live": len(results)},
+                        "truncated": more}
+            per_worker *= 4
+        raise QueryFailed(f"no exact answer after {MAX_ROUNDS} rounds (too many records of "
+                          "moving objects superseded by later ones); narrow the query")
+
+    async def targets(self, index: GlobalIndex, query: wire.SnapshotQuery, now: float
+                      ) -> list[str]:
+        """The workers holding records the query can see: owners of the overlapped
+        partitions under the current plan and every plan valid within the window."""
+        if self.router.replicated:
+            return sorted(index.workers)
+        workers = plan_workers(index, query)
+        horizon = now - self.settings.window_s - self.settings.bucket_s
+        plans = await self._plans_since(horizon, index)
+        if plans is None:  # the plans of part of the window are unknown: ask everyone
+            return sorted(index.workers)
+        for plan in plans:
+            workers |= plan_workers(plan, query)
+        return sorted(workers)
+
+    async def _plans_since(self, horizon: float, current: GlobalIndex
+                           ) -> list[GlobalIndex] | None:
+        """The plans (of the current worker set) valid at some time since `horizon`, from
+        the plan history, or None when the history does not reach back that far."""
+        await self._read_history()
+        members = sorted(current.workers)
+        out: list[GlobalIndex] = []
+        for version in sorted(self._history, reverse=True):
+            if version > current.version:
+                continue
+            valid_from, plan = self._history[version]
+            if sorted(plan.workers) != members:
+                return None  # the cluster was resized meanwhile
+            out.append(plan)
+            if valid_from <= horizon:
+                return out
+        return out if self._history and min(self._history) == 1 else None
+
+    async def _read_history(self) -> None:
+        """New entries of `names.PLAN_HISTORY` into the cache (the list only grows at its
+        end; read from the end until a known version)."""
+        n = 1
+        while True:
+            raw = await self.redis.lrange(names.PLAN_HISTORY, -n, -1)
+            entries = [orjson.loads(r) for r in raw]
+            known = any(int(e["version"]) in self._history for e in entries)
+            for e in entries:
+                version = int(e["version"])
+                if version not in self._history:
+                    self._history[version] = (float(e["valid_from"]),
+                                              GlobalIndex(Plan.from_dict(e["plan"])))
+            if known or len(raw) < n:
+                break
+            n *= 4
+        if len(self._history) > 2 * names.PLAN_HISTORY_MAX:
+            for version in sorted(self._history)[:-names.PLAN_HISTORY_MAX]:
+                del self._history[version]
+
+
+class _Run:
+    """The rounds of one query."""
+
+    def __init__(self, service: QueryService, tenant: str, query: wire.SnapshotQuery,
+                 as_of: float, deadline: float, everyone: list[str]) -> None:
+        self.service = service
+        self.tenant = tenant
+        self.query = query
+        self.as_of = as_of
+        self.deadline = deadline
+        self.everyone = everyone
+
+    async def round(self, workers: Iterable[str], limit: int,
+                    latest_of: list[str] | None = None) -> list[wire.QueryReply]:
+        """Send one part to each worker and wait for every answer."""
+        svc = self.service
+        redis = svc.redis
+        token = secrets.token_hex(12)
+        part = wire.encode_entry(wire.QueryPart(
+            reply=token, tenant=self.tenant, query=self.query, as_of=self.as_of,
+            deadline=self.deadline, limit=limit, latest_of=latest_of))
+        waiting = set(workers)
+        pipe = redis.pipeline(transaction=False)
+        for w in sorted(waiting):
+            pipe.xadd(names.worker_stream(w), {b"m": part})
+        await pipe.execute()
+        key = names.query_reply_key(token)
+        replies: list[wire.QueryReply] = []
+        try:
+            while waiting:
+                left = self.deadline - time.time()
+                if left <= 0:
+                    raise QueryFailed(
+                        f"worker{'s' if len(waiting) > 1 else ''} {', '.join(sorted(waiting))} "
+                        f"did not answer within {svc.settings.query_timeout_s:g} s "
+                        "(query_timeout_s)")
+                got = await redis.blpop([key], timeout=min(1.0, left))
+                if got is None:
+                    await self._check_alive(waiting)
+                    continue
+                raw = got[1]
+                reply = wire.decode_query_reply(raw if isinstance(raw, bytes) else raw.encode())
+                if reply.worker not in waiting:
+                    continue  # a replayed answer
+                if reply.error is not None:
+                    raise QueryFailed(f"worker {reply.worker} failed the query: {reply.error}")
+                waiting.discard(reply.worker)
+                replies.append(reply)
+        finally:
+            await redis.delete(key)
+        return replies
+
+    async def _check_alive(self, waiting: set[str]) -> None:
+        svc = self.service
+        raw = await svc.redis.hmget(names.WORKERS_KEY, sorted(waiting))
+        now = time.time()
+        dead = [w for w, beat in zip(sorted(waiting), raw, strict=True)
+                if not heartbeat_fresh(beat, now, svc.settings.worker_dead_after_s)]
+        if dead:
+            # A failed-over worker's stream, and so its part of the query, is processed by
+            # its adopter (workers.failover): it is the adopter that must be alive.
+            adopters = await svc.redis.mget([names.adopter_key(w) for w in dead])
+            alive = [a for a in adopters if a is not None]
+            beats = await svc.redis.hmget(names.WORKERS_KEY, alive) if alive else []
+            fresh = {a for a, beat in zip(alive, beats, strict=True)
+                     if heartbeat_fresh(beat, now, svc.settings.worker_dead_after_s)}
+            dead = [w for w, a in zip(dead, adopters, strict=True) if a not in fresh]
+        if dead:
+            raise QueryFailed(
+                f"worker{'s' if len(dead) > 1 else ''} {', '.join(dead)} holding part of the "
+                f"window {'are' if len(dead) > 1 else 'is'} not running (no heartbeat for "
+                f"{svc.settings.worker_dead_after_s:g} s); retry when "
+                f"{'they are' if len(dead) > 1 else 'it is'} back")
+
+    async def latest_ts(self, replies: list[wire.QueryReply]) -> dict[str, float]:
+        """Every worker's latest record time (within the time range) of each moving object
+        among the replies' records."""
+        ids = sorted({r.id for reply in replies for r in reply.records if r.moving})
+        if not self.query.latest or not ids:
+            return {}
+        best: dict[str, float] = {}
+        for reply in await self.round(self.everyone, 0, latest_of=ids):
+            for oid, ts in reply.latest.items():
+                if ts > best.get(oid, -1.0):
+                    best[oid] = ts
+        return best
+
+    async def latest_filter(self, replies: list[wire.QueryReply]
+                            ) -> Callable[[wire.FoundRecord], bool]:
+        """Which records a `latest` query keeps: events, and each moving object's record
+        that is its latest of all workers (of two with that ts, the later arrival)."""
+        if not self.query.latest:
+            return lambda r: True
+        best = await self.latest_ts(replies)
+        chosen: dict[str, tuple[float, float]] = {}
+        for reply in replies:
+            for r in reply.records:
+                if r.moving and r.ts >= best.get(r.id, r.ts):
+                    chosen[r.id] = max(chosen.get(r.id, (r.ts, r.at)), (r.ts, r.at))
+        return lambda r: not r.moving or chosen.get(r.id) == (r.ts, r.at)
+
+    async def verified(self, replies: list[wire.QueryReply]) -> list[wire.FoundRecord]:
+        """The listed moving records that pass `latest_filter` (count, topk_terms), each
+        object once."""
+        keep = await self.latest_filter(replies)
+        seen: set[str] = set()
+        out = []
+        for reply in replies:
+            for r in reply.records:
+                if keep(r) and r.id not in seen:
+                    seen.add(r.id)
+                    out.append(r)
+        return out
+
+
+def _public(r: wire.FoundRecord, with_distance: bool) -> dict[str, Any]:
+    out = public_record(r.id, r.lon, r.lat, r.ts, r.keywords, r.text, r.props)
+    if with_distance:
+        out["distance_m"] = round(r.distance_m, 3)
+    return out

@@ -1,0 +1,182 @@
+"""Snapshot query benchmark: geoswarm's `POST /v1/queries` (range, range with keywords, knn,
+count) over N live records on a real cluster (embedded redis-server, one api process, worker
+processes), side by side in one run with Redis's own GEOSEARCH on the same points in a geo set
+(the peer a user would otherwise pick: `GEOSEARCH ... BYBOX|BYRADIUS ... ASC COUNT k`).
+
+Queries are sent one at a time, alternating the two systems, so that both see the same
+machine load; each geoswarm range answer is checked against a brute-force count over the
+published points."""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import orjson
+import redis
+
+from app.core.config import Settings
+from app.core.redis import start_embedded_redis
+from app.geo.geometry import haversine_m
+from bench.cluster import LiveServer, start_server
+from bench.workload import make_objects
+
+GEO_KEY = "bench:geo"
+
+
+def publish(server: LiveServer, key: str, objs: dict[str, Any], batch: int) -> list[str]:
+    h = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
+    lon, lat, kws = objs["lon"].tolist(), objs["lat"].tolist(), objs["keywords"]
+    ids: list[str] = []
+    now = time.time()
+    with httpx.Client(base_url=server.base_url, timeout=120) as client:
+        for a in range(0, len(lon), batch):
+            body = orjson.dumps({"objects": [
+                {"lon": lon[i], "lat": lat[i], "keywords": kws[i], "ts": now}
+                for i in range(a, min(a + batch, len(lon)))]})
+            for _ in range(100):
+                r = client.post("/v1/objects", headers=h, content=body)
+                if r.status_code != 503:
+                    break
+                time.sleep(float(r.headers.get("retry-after", "1")))
+            r.raise_for_status()
+            ids += r.json()["ids"]
+    return ids
+
+
+def load_geo_set(client: redis.Redis, ids: list[str], objs: dict[str, Any]) -> None:
+    """GEOADD every point (Redis clamps latitudes to ±85.05; the workload has none beyond)."""
+    lon, lat = objs["lon"].tolist(), objs["lat"].tolist()
+    pipe = client.pipeline(transaction=False)
+    for a in range(0, len(ids), 10_000):
+        flat: list[Any] = []
+        for i in range(a, min(a + 10_000, len(ids))):
+            flat += [lon[i], lat[i], ids[i]]
+        pipe.execute_command("GEOADD", GEO_KEY, *flat)
+    pipe.execute()
+
+
+def pct(values: list[float], p: float) -> float:
+    s = sorted(values)
+    return round(s[min(len(s) - 1, int(p * len(s)))], 2) if s else float("nan")
+
+
+def summary(ms: list[float]) -> dict[str, float]:
+    return {"p50_ms": pct(ms, 0.5), "p99_ms": pct(ms, 0.99),
+            "mean_ms": round(statistics.fmean(ms), 2) if ms else float("nan")}
+
+
+def run(records: int = 1_000_000, queries: int = 200, workers: int = 2, batch: int = 5_000,
+        box_km: float = 5.0, k: int = 10, seed: int = 1) -> dict[str, Any]:
+    tmp = Path(tempfile.mkdtemp(prefix="geoswarm-bench-snapshot-"))
+    redis_server = start_embedded_redis(Settings(data_dir=tmp / "redis"))
+    server = start_server(tmp, redis_server.url, workers=workers,
+                          GEOSWARM_RATE_LIMIT_PER_S="0", GEOSWARM_MAX_BATCH="10000",
+                          GEOSWARM_TENANT_PUBLISH_PER_S="0", GEOSWARM_MAX_BACKLOG="0",
+                          GEOSWARM_QUERY_TIMEOUT_S="120")
+    try:
+        server.wait_workers(workers)
+        rng = np.random.default_rng(seed)
+        objs = make_objects(records, rng)
+        key = server.new_key("bench")
+        t0 = time.perf_counter()
+        ids = publish(server, key, objs, batch)
+        publish_s = time.perf_counter() - t0
+        geo = redis.Redis.from_url(server.redis_url)
+        load_geo_set(geo, ids, objs)
+        h = {"Authorization": f"Bearer {key}"}
+        out: dict[str, Any] = {"records": records, "workers": workers,
+                               "publish_records_per_s": round(records / publish_s)}
+        with httpx.Client(base_url=server.base_url, timeout=300) as client:
+            # the first query waits behind the workers' backlog: it tells when all is stored
+            t0 = time.perf_counter()
+            r = client.post("/v1/queries", headers=h,
+                            json={"type": "count", "bbox": [-180, -90, 180, 90], "wait_s": 60})
+            r.raise_for_status()
+            out["stored_after_s"] = round(time.perf_counter() - t0 + publish_s, 1)
+            out["count_all"] = r.json()["results"][0]["count"]
+            times: dict[str, list[float]] = {n: [] for n in (
+                "range", "geosearch_box", "range_keywords", "knn", "geosearch_knn",
+                "count_large_box")}
+            mismatches = 0
+            centres = rng.choice(records, size=queries, replace=False)
+            half_lon = box_km / 2 / 111.32
+            for c in centres.tolist():
+                lon, lat = float(objs["lon"][c]), float(objs["lat"][c])
+                dlon = half_lon / max(0.05, np.cos(np.radians(lat)))
+                dlat = box_km / 2 / 110.57
+                bbox = [lon - dlon, lat - dlat, lon + dlon, lat + dlat]
+                t = time.perf_counter()
+                r = client.post("/v1/queries", headers=h, json={
+                    "type": "range", "bbox": bbox, "limit": 10_000})
+                times["range"].append((time.perf_counter() - t) * 1000)
+                r.raise_for_status()
+                inside = ((objs["lon"] >= bbox[0]) & (objs["lon"] <= bbox[2])
+                          & (objs["lat"] >= bbox[1]) & (objs["lat"] <= bbox[3]))
+                mismatches += int(len(r.json()["results"]) != int(min(inside.sum(), 10_000)))
+                t = time.perf_counter()
+                geo.execute_command("GEOSEARCH", GEO_KEY, "FROMLONLAT", lon, lat, "BYBOX",
+                                    box_km, box_km, "km",
+                                    "WITHCOORD", "COUNT", 10_000)
+                times["geosearch_box"].append((time.perf_counter() - t) * 1000)
+                word = objs["keywords"][c][0]
+                t = time.perf_counter()
+                client.post("/v1/queries", headers=h, json={
+                    "type": "range", "bbox": bbox, "keywords": [word], "limit": 10_000}
+                ).raise_for_status()
+                times["range_keywords"].append((time.perf_counter() - t) * 1000)
+                t = time.perf_counter()
+                r = client.post("/v1/queries", headers=h, json={
+                    "type": "knn", "point": [lon, lat], "k": k})
+                times["knn"].append((time.perf_counter() - t) * 1000)
+                r.raise_for_status()
+                far = r.json()["results"][-1]["distance_m"]
+                t = time.perf_counter()
+                geo.execute_command("GEOSEARCH", GEO_KEY, "FROMLONLAT", lon, lat, "BYRADIUS",
+                                    max(1.0, far * 1.01), "m", "WITHCOORD", "WITHDIST", "ASC",
+                                    "COUNT", k)
+                times["geosearch_knn"].append((time.perf_counter() - t) * 1000)
+                d = haversine_m(lon, lat, objs["lon"], objs["lat"])
+                mismatches += int(abs(float(np.sort(d)[k - 1]) - far) > 0.01)
+                t = time.perf_counter()
+                client.post("/v1/queries", headers=h, json={
+                    "type": "count", "bbox": [lon - 10, lat - 5, lon + 10, lat + 5]}
+                ).raise_for_status()
+                times["count_large_box"].append((time.perf_counter() - t) * 1000)
+        out["answers_differing_from_brute_force"] = mismatches
+        for name, ms in times.items():
+            out[name] = summary(ms)
+        out["range_vs_geosearch_p50"] = round(
+            out["range"]["p50_ms"] / out["geosearch_box"]["p50_ms"], 1)
+        out["knn_vs_geosearch_p50"] = round(
+            out["knn"]["p50_ms"] / out["geosearch_knn"]["p50_ms"], 1)
+        return out
+    finally:
+        server.stop()
+        redis_server.stop()
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="geoswarm bench snapshot", description=__doc__)
+    ap.add_argument("--records", type=int, default=1_000_000)
+    ap.add_argument("--queries", type=int, default=200, help="of each kind")
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=5_000, help="records per publish request")
+    ap.add_argument("--box-km", type=float, default=5.0, help="side of the range queries' box")
+    ap.add_argument("--k", type=int, default=10)
+    ap.add_argument("--seed", type=int, default=1)
+    a = ap.parse_args(argv)
+    out = run(a.records, a.queries, a.workers, a.batch, a.box_km, a.k, a.seed)
+    width = max(len(k) for k in out)
+    for k, v in out.items():
+        print(f"{k:<{width}}  {v}")
+
+
+if __name__ == "__main__":
+    main()

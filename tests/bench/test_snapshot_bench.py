@@ -1,0 +1,28 @@
+"""The snapshot benchmark (bench/snapshot.py) end to end on a tiny load, through the command
+line as a user runs it: it loads the same points into geoswarm and a Redis geo set, and every
+geoswarm range and knn answer it times agrees with its brute-force check."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from bench.cluster import ROOT
+
+pytestmark = pytest.mark.slow
+
+
+def test_tiny_run_is_exact_and_reports_both_systems() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "app.cli", "bench", "snapshot", "--records", "3000",
+         "--queries", "5", "--batch", "1000"],
+        cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    table = dict(line.split(None, 1) for line in out.stdout.splitlines() if line.strip())
+    assert table["count_all"] == "3000"
+    assert table["answers_differing_from_brute_force"] == "0"
+    for name in ("range", "geosearch_box", "range_keywords", "knn", "geosearch_knn",
+                 "count_large_box"):
+        assert "p99_ms" in table[name]

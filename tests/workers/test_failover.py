@@ -1,0 +1,164 @@
+"""Failover of a dead worker (workers.failover), with real processes against the oracle.
+
+A 3-worker cluster under load with a coordinator: one worker is SIGKILLed for good and its
+partitions go to the live workers, its stream to an adopter; every match is delivered once,
+snapshot queries answer exactly (the adopter answers for the dead worker's window). The worker
+comes back (fence taken back, adoption ended) and a partition is moved to it. Then a worker
+is SIGSTOPped past the dead-after time, failed over, and SIGCONTed: it must commit nothing
+(its fence is gone), exit, and rejoin after a restart, still with every match once."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import signal
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import redis
+
+from app.core.redis import EmbeddedRedis
+from app.geo.index import Grid, Partition, Plan, initial_plan
+from app.pipeline import names
+from tests.conftest import LiveServer, auth
+from tests.workers.harness import Listener, run_on_cluster, wait_for
+from tests.workers.oracle import Oracle, received_matches
+from tests.workers.test_balancing import plan_of
+from tests.workers.test_pipeline import (
+    assert_exact,
+    create_subs,
+    publish,
+    random_objects,
+    random_subs,
+)
+from workers.failover import failover_plan
+
+WORLD = [-180.0, -90.0, 180.0, 90.0]
+
+
+# --- the plan (pure) ----------------------------------------------------------------------
+
+def test_failover_plan_spreads_the_dead_workers_partitions() -> None:
+    grid = Grid(nx=100, ny=100)
+    plan = initial_plan(grid, ["w0", "w1", "w2"])
+    # w1 owns three partitions (split its one in three), w0 one, w2 one
+    ones = [p for p in plan.partitions if p.worker == "w1"]
+    assert len(ones) == 1
+    p = ones[0]
+    mid = (p.x0 + p.x1) // 2
+    parts = [q for q in plan.partitions if q.worker != "w1"] + [
+        Partition("a", p.x0, p.y0, mid, p.y1, "w1"),
+        Partition("b", mid + 1, p.y0, p.x1, (p.y0 + p.y1) // 2, "w1"),
+        Partition("c", mid + 1, (p.y0 + p.y1) // 2 + 1, p.x1, p.y1, "w1")]
+    plan = Plan(version=7, grid=grid, partitions=parts, members=["w0", "w1", "w2"])
+    plan.validate()
+    new, given = failover_plan(plan, "w1", ["w0", "w2"], iter(["n1", "n2", "n3"]))
+    assert new.version == 8
+    assert not [q for q in new.partitions if q.worker == "w1"]
+    assert new.members == ["w0", "w1", "w2"]
+    # fewest partitions first, ties by id: w0, w2, w0
+    assert given == {"w0": ["n1", "n3"], "w2": ["n2"]}
+    moved = {q.id: q for q in new.partitions if q.id in ("n1", "n2", "n3")}
+    assert [(q.parent, q.prev_owner) for q in moved.values()] == [
+        ("a", "w1"), ("b", "w1"), ("c", "w1")]
+    assert [(q.x0, q.y0, q.x1, q.y1) for q in moved.values()] == [
+        (q.x0, q.y0, q.x1, q.y1) for q in parts[-3:]]
+    # everything else is unchanged, and the input plan is not touched
+    assert [q for q in new.partitions if q.id not in moved] == parts[:-3]
+    assert plan.version == 7 and [q.worker for q in plan.partitions[-3:]] == ["w1"] * 3
+
+
+# --- a real cluster -----------------------------------------------------------------------
+
+def owners(server: LiveServer) -> set[str]:
+    return {p.worker for p in plan_of(server).partitions}
+
+
+async def count_all(client: httpx.AsyncClient, key: str) -> int:
+    r = await client.post("/v1/queries", json={"type": "count", "bbox": WORLD},
+                          headers=auth(key))
+    assert r.status_code == 200, r.text
+    return int(r.json()["results"][0]["count"])
+
+
+async def _scenario(server: LiveServer) -> None:
+    rng = random.Random(11)
+    store = redis.Redis.from_url(server.redis_url)
+    server.start_coordinator()
+    key = server.new_key()
+    oracle = Oracle()
+    published = 0
+    movers = [f"car-{i}" for i in range(30)]
+    clock = [time.time() - 900]  # inside the live window (one hour): snapshot queries see it
+
+    async def burst(client: httpx.AsyncClient, batches: int) -> None:
+        nonlocal published
+        for _ in range(batches):
+            objs = random_objects(rng, 80, movers, clock)
+            await publish(client, key, objs, oracle)
+            published += len(objs)
+            await asyncio.sleep(0.05)
+
+    async def delivered(listener: Listener) -> None:
+        await wait_for(lambda: len(listener.matches()) >= oracle.total(), 60)
+        await asyncio.sleep(0.5)  # anything extra would arrive now
+        assert_exact(received_matches(listener.messages), oracle)
+
+    async with httpx.AsyncClient(base_url=server.base_url, timeout=30) as client:
+        await create_subs(client, key, random_subs(rng, 120), oracle)
+        listener = Listener(server.ws_url, key)
+        await listener.connect()
+        await listener.listen(all=True)
+        await burst(client, 6)
+
+        # 1. w1 dies for good, in the middle of the load
+        server.kill("w1", signal.SIGKILL)
+        await burst(client, 6)  # routed to w1 until the failover plan is out
+        assert await wait_for(lambda: "w1" not in owners(server), 30), plan_of(server)
+        assert store.get(names.adopter_key("w1")) is not None
+        await burst(client, 6)
+        await delivered(listener)
+        assert await count_all(client, key) == published  # w1's window answered by its adopter
+        rounds = httpx.get(server.base_url + "/v1/admin/balancer", headers=server.admin()
+                           ).json()["rounds"]
+        assert any(r.get("action") == "failover" for r in rounds), rounds
+
+        # 2. w1 returns: its fence back, the adoption over; a partition moved to it works
+        server.start_worker("w1")
+        assert await wait_for(lambda: store.get(names.adopter_key("w1")) is None, 30)
+        server.wait_workers(3)
+        await burst(client, 4)
+        part = next(p for p in plan_of(server).partitions if p.worker == "w0")
+        r = await client.post("/v1/admin/rebalance", json={"partition": part.id, "to": "w1"},
+                              headers=server.admin())
+        assert r.status_code == 202, r.text
+        assert "w1" in owners(server)
+        await burst(client, 6)
+        await delivered(listener)
+        assert await count_all(client, key) == published
+
+        # 3. w2 stops (a stalled machine) past the dead-after time: failed over while alive
+        server.kill("w2", signal.SIGSTOP)
+        await burst(client, 4)
+        assert await wait_for(lambda: "w2" not in owners(server), 30), plan_of(server)
+        server.kill("w2", signal.SIGCONT)
+        # it finds its fence gone at its next transaction: commits nothing and exits
+        assert server.procs["w2"].wait(30) == 3
+        await burst(client, 4)
+        server.start_worker("w2")
+        assert await wait_for(lambda: store.get(names.adopter_key("w2")) is None, 30)
+        await burst(client, 4)
+        await delivered(listener)
+        assert await count_all(client, key) == published
+        await listener.close()
+    store.close()
+
+
+@pytest.mark.slow
+def test_dead_worker_fails_over_with_every_match_once(tmp_path: Path,
+                                                     embedded_redis: EmbeddedRedis) -> None:
+    run_on_cluster(tmp_path, embedded_redis.url, 3, _scenario, GEOSWARM_WORKER_DEAD_AFTER_S="2",
+                   GEOSWARM_BALANCE_PERIOD_S="3600")
+

@@ -1,0 +1,109 @@
+"""A worker's share of a snapshot query (workers/snapshot.py) against brute force, in process:
+records on the coarse cells' borders, boxes whose edges pass through records (boundaries are
+inclusive), circles and knn points near the poles and the antimeridian, where the cell ranges
+and the knn radius grow to the whole world."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from app.geo.geometry import haversine_m
+from app.pipeline import wire
+from workers import records
+from workers.records import CELL_DEG, RecordWindow
+from workers.snapshot import evaluate
+
+NOW = 1_800_000_000.0
+
+
+MERGED = {"merged": False}
+
+
+@pytest.fixture(autouse=True, scope="module", params=["cells", "scan", "merged-cells"])
+def read_by(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Both ways a chunk finds a region's rows: its cell index (here for chunks of any size)
+    and the scan of every row (small chunks, tall regions); and chunks merged as the window's
+    maintenance merges them."""
+    saved = records.INDEXED_ROWS
+    records.INDEXED_ROWS = 10**9 if request.param == "scan" else 0
+    MERGED["merged"] = request.param == "merged-cells"
+    yield
+    records.INDEXED_ROWS = saved
+    MERGED["merged"] = False
+
+# coordinates on the 0.1° cell borders, beside them, and at the world's edges
+coord_lon = st.one_of(st.integers(-1800, 1800).map(lambda i: i * CELL_DEG),
+                      st.floats(-180, 180, allow_nan=False),
+                      st.sampled_from([-180.0, 180.0, 179.95, -179.95, 0.0]))
+coord_lat = st.one_of(st.integers(-900, 900).map(lambda i: i * CELL_DEG),
+                      st.floats(-90, 90, allow_nan=False),
+                      st.sampled_from([-90.0, 90.0, 89.97, -89.97, 0.0]))
+record_st = st.tuples(coord_lon, coord_lat, st.sets(st.sampled_from("abc"), max_size=2))
+
+
+def window_of(rows: list[tuple[float, float, set[str]]]) -> RecordWindow:
+    w = RecordWindow(3600, 60)
+    for a in range(0, len(rows), 7):  # several chunks
+        part = rows[a:a + 7]
+        n = len(part)
+        w.add(wire.ObjectBatch(
+            tenant="t", sent_at=NOW + a / 1000,  # arrivals in order, in one bucket
+            plan_version=1, ids=[f"o{a + i}" for i in range(n)],
+            record_ids=[f"r{a + i}" for i in range(n)], moving=[False] * n,
+            lon=[r[0] for r in part], lat=[r[1] for r in part], ts=[NOW] * n,
+            keywords=[sorted(r[2]) for r in part], text=[None] * n, props=[None] * n,
+            prev=[None] * n, late=[False] * n, exit_only=[False] * n, decide_exit=[False] * n),
+            NOW)
+    if MERGED["merged"]:
+        w.expire(NOW)
+        assert all(len(t.chunks) <= 1 for t in w.tenants.values())
+    return w
+
+
+def ask(w: RecordWindow, q: wire.SnapshotQuery, limit: int = 0) -> wire.QueryReply:
+    return evaluate(w.tenants.get("t"), wire.QueryPart(
+        reply="x", tenant="t", query=q, as_of=NOW + 1, deadline=NOW + 60, limit=limit), "w0")
+
+
+@settings(max_examples=200, deadline=None)
+@given(rows=st.lists(record_st, max_size=40), data=st.data())
+def test_bbox_and_circle_find_what_brute_force_finds(rows: list[Any], data: Any) -> None:
+    w = window_of(rows)
+    # edges through records' own coordinates, or anywhere
+    lons = sorted(data.draw(st.lists(st.one_of(coord_lon, st.sampled_from(
+        [r[0] for r in rows] or [0.0])), min_size=2, max_size=2)))
+    lats = sorted(data.draw(st.lists(st.one_of(coord_lat, st.sampled_from(
+        [r[1] for r in rows] or [0.0])), min_size=2, max_size=2)))
+    bbox = (lons[0], lats[0], lons[1], lats[1])
+    got = ask(w, wire.SnapshotQuery(type="count", bbox=bbox)).count
+    assert got == sum(bbox[0] <= x <= bbox[2] and bbox[1] <= y <= bbox[3] for x, y, _ in rows)
+    c = (data.draw(coord_lon), data.draw(coord_lat),
+         data.draw(st.floats(1, 3_000_000, allow_nan=False)))
+    got = ask(w, wire.SnapshotQuery(type="count", circle=c)).count
+    assert got == sum(haversine_m(c[0], c[1], x, y) <= c[2] for x, y, _ in rows)
+
+
+@settings(max_examples=200, deadline=None)
+@given(rows=st.lists(record_st, max_size=40), px=coord_lon, py=coord_lat,
+       k=st.integers(1, 6), kw=st.sampled_from([[], ["a"], ["a", "b"]]),
+       match_all=st.booleans())
+def test_knn_finds_the_nearest_anywhere(rows: list[Any], px: float, py: float, k: int,
+                                        kw: list[str], match_all: bool) -> None:
+    w = window_of(rows)
+    reply = ask(w, wire.SnapshotQuery(type="knn", point=(px, py), k=k, keywords=kw,
+                                      match_all=match_all), limit=k)
+
+    def ok(kws: set[str]) -> bool:
+        return not kw or (set(kw) <= kws if match_all else bool(set(kw) & kws))
+
+    ranked = sorted((haversine_m(px, py, x, y), f"o{i}") for i, (x, y, kws) in enumerate(rows)
+                    if ok(kws))
+    assert [(r.id, r.distance_m) for r in reply.records] == [(i, d) for d, i in ranked[:k]]
+    assert reply.truncated == (len(ranked) > k)
+    assert all(math.isfinite(r.distance_m) for r in reply.records)

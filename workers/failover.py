@@ -1,0 +1,245 @@
+"""Failover of a dead worker: its partitions go to live workers, its stream to an adopter.
+
+A worker whose heartbeat is older than `worker_dead_after_s` and that still owns partitions
+is failed over by the leader coordinator with one script (`FAILOVER_SCRIPT`): the next plan
+gives each of its partitions, under a fresh id, to a live worker (fewest partitions first),
+appends a `wire.Takeover` to each receiver's stream before anything routed under that plan,
+takes the dead worker's fence epoch (`names.fence_key`) and names an adopter. All of it only
+if the plan, the coordinator's lease and the fence are still what the decision was made on:
+a worker that restarted meanwhile has taken its fence, and keeps its partitions.
+
+- The receivers rebuild what a handoff would have carried (SWARM §5.1) from the sources of
+  truth: the partitions' range subscriptions from SQL, their moving objects from the
+  latest-position store; the dead worker's local kNN lists leave the merged lists.
+- The adopter (`Adoption`) processes the dead worker's stream in its place: entries it left
+  pending are claimed, every object row is forwarded unprocessed to the owner of its
+  position under the new plan (exactly as after a move), range subscriptions routed with the
+  old plan are forwarded, and snapshot queries are answered from the dead worker's window,
+  read back from its window log. Each entry is marked done under the dead worker's name, so
+  the worker itself skips it when it returns.
+- Fencing: every transaction of a stream's consumer WATCHes its fence key and checks the
+  epoch it holds, so a worker declared dead that wakes up (SIGSTOP, a stalled VM) commits
+  nothing: it exits (`Fenced`) and its supervisor restarts it. A worker that starts takes its
+  fence back (INCR), which ends the adoption; it owns no partitions then, and balancing gives
+  it some as the cheapest worker (SWARM §4.3).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import redis
+
+from app.geo.index import Partition, Plan
+from app.pipeline import names, wire
+from app.pipeline.control import history_entry
+from workers.records import RecordWindow
+
+if TYPE_CHECKING:
+    from workers.executor import Executor
+
+log = logging.getLogger(__name__)
+
+# KEYS[1] = coordinator lease, KEYS[2] = plan, KEYS[3] = plan history, KEYS[4] = the dead
+# worker's fence, KEYS[5] = its adopter key, KEYS[6] = the adopter's adopted set,
+# KEYS[7..] = receivers' streams.
+# ARGV[1] = lease holder, ARGV[2] = expected plan version, ARGV[3] = expected fence epoch
+# (as read, '' for none), ARGV[4] = new plan JSON, ARGV[5] = new version, ARGV[6] = plan
+# channel, ARGV[7] = history entry, ARGV[8] = history length, ARGV[9] = dead worker,
+# ARGV[10] = adopter, ARGV[11..] = takeover payloads (one per receiver stream).
+# Returns the new fence epoch, or 0 when anything changed since the decision.
+FAILOVER_SCRIPT = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+local raw = redis.call('GET', KEYS[2])
+if not raw then return 0 end
+if tostring(cjson.decode(raw)['version']) ~= ARGV[2] then return 0 end
+if (redis.call('GET', KEYS[4]) or '') ~= ARGV[3] then return 0 end
+for i = 7, #KEYS do
+  redis.call('XADD', KEYS[i], '*', 'm', ARGV[4 + i])
+end
+redis.call('SET', KEYS[2], ARGV[4])
+redis.call('RPUSH', KEYS[3], ARGV[7])
+redis.call('LTRIM', KEYS[3], -tonumber(ARGV[8]), -1)
+local epoch = redis.call('INCR', KEYS[4])
+redis.call('SET', KEYS[5], ARGV[10])
+redis.call('SADD', KEYS[6], ARGV[9])
+redis.call('PUBLISH', ARGV[6], ARGV[5])
+return epoch
+"""
+
+
+class Fenced(Exception):
+    """Another consumer took the fence of the stream being processed: stop processing it."""
+
+
+def failover_plan(plan: Plan, dead: str, live: list[str], ids: Iterator[str]
+                  ) -> tuple[Plan, dict[str, list[str]]]:
+    """The next plan with every partition of `dead` given, under a fresh id (parent: the old
+    id, prev_owner: `dead`, as a move, SWARM §5.2), to the live worker owning the fewest
+    partitions at that point (ties by id); and the new partition ids per receiver, in the
+    order the receivers were first chosen (the first is the adopter)."""
+    owned = {w: 0 for w in live}
+    for p in plan.partitions:
+        if p.worker in owned:
+            owned[p.worker] += 1
+    parts: list[Partition] = []
+    given: dict[str, list[str]] = {}
+    for p in plan.partitions:
+        if p.worker != dead:
+            parts.append(dataclasses.replace(p))
+            continue
+        to = min(owned, key=lambda w: (owned[w], w))
+        owned[to] += 1
+        q = dataclasses.replace(p, id=next(ids), worker=to, parent=p.id, prev_owner=dead)
+        parts.append(q)
+        given.setdefault(to, []).append(q.id)
+    new = Plan(version=plan.version + 1, grid=plan.grid, partitions=parts,
+               members=list(plan.members))
+    new.validate()
+    return new, given
+
+
+def failover_args(lease_key: str, holder: str, plan: Plan, new: Plan, fence: bytes | None,
+                  dead: str, given: dict[str, list[str]], now: float
+                  ) -> tuple[list[str], list[Any]]:
+    """KEYS and ARGV of FAILOVER_SCRIPT (`given` from `failover_plan`)."""
+    adopter = next(iter(given))
+    plan_json = new.to_json()
+    keys = [lease_key, names.PLAN_KEY, names.PLAN_HISTORY, names.fence_key(dead),
+            names.adopter_key(dead), names.adopted_key(adopter),
+            *(names.worker_stream(w) for w in given)]
+    args: list[Any] = [holder, str(plan.version), (fence or b"").decode(), plan_json,
+                       str(new.version), names.PLAN_CHANNEL,
+                       history_entry(plan_json, new.version, now), str(names.PLAN_HISTORY_MAX),
+                       dead, adopter,
+                       *(wire.encode_entry(wire.Takeover(plan_version=new.version, dead=dead,
+                                                         adopter=adopter, partitions=pids))
+                         for pids in given.values())]
+    return keys, args
+
+
+def watch_fence(pipe: Any, worker: str, epoch: int) -> None:
+    """Start a transaction that commits only while `epoch` is still the fence of `worker`'s
+    stream: WATCH the key, then check it (a change before the WATCH is seen by the check, one
+    after it fails the EXEC). Raises Fenced when it is no longer ours."""
+    key = names.fence_key(worker)
+    pipe.watch(key)
+    current = pipe.get(key)
+    if int(current or 0) != epoch:
+        pipe.reset()
+        raise Fenced(f"the stream of {worker} is fenced (epoch {int(current or 0)}, "
+                     f"ours {epoch})")
+    pipe.multi()
+
+
+def fence_lost(client: Any, worker: str, epoch: int, exc: redis.WatchError) -> Fenced:
+    """After a WatchError: the fence moved (the Fenced to raise), or, since redis-py reports a
+    connection that failed while watching as a WatchError too, Redis went away: raise that
+    as a ConnectionError (the step is retried). Reading the fence fails the same way then."""
+    current = int(client.get(names.fence_key(worker)) or 0)
+    if current == epoch:
+        raise redis.ConnectionError(f"connection lost in a transaction: {exc}") from exc
+    return Fenced(f"the stream of {worker} is fenced (epoch {current}, ours {epoch})")
+
+
+def load_window(client: Any, stream: str, window_s: float, bucket_s: float, who: str
+                ) -> RecordWindow:
+    """The records of the live window read back from a worker's window log."""
+    now = time.time()
+    window = RecordWindow(window_s, bucket_s)
+    start = f"{int(window.horizon(now) * bucket_s * 1000)}-0"
+    while True:
+        rows = client.xrange(stream, min=start, count=1000)
+        for eid, fields in rows:
+            try:
+                entry = wire.decode_entry(fields[b"m"])
+            except (KeyError, ValueError) as exc:
+                log.error("%s: unreadable window log entry %s of %s: %s", who, eid, stream, exc)
+                continue
+            if isinstance(entry, wire.ObjectBatch):
+                window.add(entry, now)
+        if len(rows) < 1000:
+            return window
+        start = "(" + rows[-1][0].decode()
+
+
+class Adoption:
+    """A live worker's processing of a dead worker's stream (see the module docstring)."""
+
+    def __init__(self, ex: Executor, dead: str, epoch: int) -> None:
+        self.ex = ex
+        self.dead = dead
+        self.epoch = epoch
+        self.stream = names.worker_stream(dead)
+        s = ex.settings
+        self.records = load_window(ex.redis, names.window_stream(dead), s.window_s, s.bucket_s,
+                                   f"worker {ex.id} (adopting {dead})")
+        self.forwarded = 0
+
+    def start(self) -> None:
+        """Claim what the dead worker left pending and process it (skipping what it had
+        written), then everything left pending under our own name (an earlier adoption)."""
+        ex = self.ex
+        log.info("worker %s adopts the stream of %s (epoch %d): %d records in its window",
+                 ex.id, self.dead, self.epoch, len(self.records))
+        ex.claim_others(self.stream)
+        while not ex.stopping:
+            reply = ex.redis.xreadgroup(names.GROUP, ex.id, {self.stream: "0"}, count=200)
+            entries = reply[0][1] if reply else []
+            if not entries:
+                return
+            self.process(entries)
+
+    def process(self, entries: list[tuple[bytes, dict[bytes, bytes]]]) -> None:
+        """Forward, answer and acknowledge entries of the dead worker's stream; raises Fenced
+        when the worker has come back (or another failover took the stream)."""
+        ex = self.ex
+        pipe = ex.redis.pipeline(transaction=True)
+        try:
+            watch_fence(pipe, self.dead, self.epoch)
+            ids = [e[0] for e in entries]
+            done = ex.redis.mget([names.done_key(self.dead, i.decode()) for i in ids])
+            queries: list[wire.QueryPart] = []
+            for (eid, fields), d in zip(entries, done, strict=True):
+                if d is not None:
+                    continue  # written before it died (or by an earlier adoption)
+                try:
+                    msg = wire.decode_entry(fields[b"m"])
+                except (KeyError, ValueError) as exc:
+                    ex.dead_letter(eid, fields, f"undecodable: {exc}", self.stream)
+                    continue
+                if isinstance(msg, wire.ObjectBatch):
+                    local = ex.migration.reroute(msg, pipe, owner=self.dead)
+                    if local is not None:
+                        raise RuntimeError(f"{self.dead} still owns rows of entry {eid!r}")
+                    self.forwarded += len(msg)
+                elif isinstance(msg, wire.SubsAdded):
+                    if msg.plan_version < ex.version:
+                        ex.migration.forward_subs(msg.subs, pipe, owner=self.dead)
+                elif isinstance(msg, wire.QueryPart):
+                    queries.append(msg)
+                # Removals, gone objects and kNN or keyword subscriptions went to every worker
+                # (the live ones have their own copy); a handoff or takeover to the dead worker
+                # is superseded by the failover plan, whose receivers rebuild from SQL.
+            for eid in ids:
+                pipe.set(names.done_key(self.dead, eid.decode()), b"1", ex=24 * 3600)
+            pipe.execute()
+        except redis.WatchError as exc:
+            raise fence_lost(ex.redis, self.dead, self.epoch, exc) from exc
+        finally:
+            pipe.reset()
+        if queries:
+            out = ex.redis.pipeline(transaction=False)
+            for part in queries:
+                ex.answer(part, out, self.records.tenants.get(part.tenant), self.dead)
+            out.execute()
+        ex.redis.xack(self.stream, names.GROUP, *ids)
+
+    def still_ours(self) -> bool:
+        raw = self.ex.redis.get(names.adopter_key(self.dead))
+        fence = self.ex.redis.get(names.fence_key(self.dead))
+        return raw is not None and raw.decode() == self.ex.id and int(fence or 0) == self.epoch

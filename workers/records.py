@@ -1,0 +1,223 @@
+"""The records one executor holds in its live window (SSTD §3.2): every record of the last
+`window_s` that was routed to it (moving objects' records and events), bucketed by arrival
+so that whole buckets expire at once, for snapshot queries (`workers.snapshot`).
+
+A record stays with the worker that stored it when its partition moves on: that worker is
+then the partition's previous owner, and queries over the older part of the window still ask
+it (SWARM §5.2's parent partitions, SSTD's versioned mapping). The records are logged to
+`names.window_stream(worker)` in the same transaction as the entry's matches, so a restarted
+worker reads its window back instead of losing it.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from app.geo.geometry import bbox_contains
+from app.pipeline.wire import ObjectBatch
+
+F64 = np.ndarray[Any, np.dtype[np.float64]]
+Bool = np.ndarray[Any, np.dtype[np.bool_]]
+I64 = np.ndarray[Any, np.dtype[np.int64]]
+
+# The chunks' own coarse grid (0.1°, about 11 km): rows are kept sorted by its cell, so a query
+# region reads the slices of the cells it covers instead of every row.
+CELL_DEG = 0.1
+NX, NY = int(round(360 / CELL_DEG)), int(round(180 / CELL_DEG))
+# A region over more rows of cells than this, or a chunk of fewer rows, is read with one
+# vectorised test of every row instead (cheaper there than many slices).
+MAX_CELL_ROWS = 16
+INDEXED_ROWS = 4096
+# Chunks of one bucket are merged (`TenantRecords.compact`) while the result stays under this
+# many rows: a query's cost is mostly per chunk, and a stream entry's chunk is small.
+MERGED_ROWS = 100_000
+
+
+def cell_range(bbox: tuple[float, float, float, float]) -> tuple[int, int, int, int]:
+    """The coarse cells (x0, y0, x1, y1) a bbox covers, inclusive."""
+    x0, y0, x1, y1 = bbox
+    return (min(NX - 1, max(0, int((x0 + 180) / CELL_DEG))),
+            min(NY - 1, max(0, int((y0 + 90) / CELL_DEG))),
+            min(NX - 1, max(0, int((x1 + 180) / CELL_DEG))),
+            min(NY - 1, max(0, int((y1 + 90) / CELL_DEG))))
+
+
+@dataclass
+class Chunk:
+    """Records of one arrival bucket (those of one stream entry, or several merged), with
+    numpy columns for the vectorised filters and the batch itself for everything else."""
+
+    bucket: int
+    at: F64  # when the api accepted each record
+    first_at: float
+    last_at: float
+    batch: ObjectBatch
+    lon: F64
+    lat: F64
+    ts: F64
+    moving: Bool
+    order: I64  # the rows sorted by coarse cell
+    cells: I64  # the coarse cell of each row in that order
+    _last_row: dict[tuple[str, float], int] | None = None
+
+    def rows_in(self, bbox: tuple[float, float, float, float]) -> I64:
+        """Rows (indices) including every row inside a bbox: those of the coarse cells it
+        covers, or those inside it."""
+        x0, y0, x1, y1 = cell_range(bbox)
+        if y1 - y0 >= MAX_CELL_ROWS or self.order.size < INDEXED_ROWS:
+            return np.flatnonzero(bbox_contains(bbox, self.lon, self.lat))
+        ys = np.arange(y0, y1 + 1, dtype=np.int64) * NX
+        starts = np.searchsorted(self.cells, ys + x0, side="left")
+        ends = np.searchsorted(self.cells, ys + x1, side="right")
+        pieces = [self.order[a:b] for a, b in zip(starts.tolist(), ends.tolist(), strict=True)
+                  if b > a]
+        return np.concatenate(pieces) if pieces else np.empty(0, dtype=np.int64)
+
+    def last_row(self) -> dict[tuple[str, float], int]:
+        """(moving object id, ts) -> its last row in the chunk (built on first use)."""
+        if self._last_row is None:
+            b = self.batch
+            self._last_row = {(b.ids[i], b.ts[i]): i for i in np.flatnonzero(self.moving).tolist()}
+        return self._last_row
+
+    @staticmethod
+    def of(batch: ObjectBatch, bucket_s: float) -> Chunk:
+        return Chunk.build(int(batch.sent_at // bucket_s), batch,
+                           np.full(len(batch), batch.sent_at, dtype=np.float64))
+
+    @staticmethod
+    def build(bucket: int, batch: ObjectBatch, at: F64) -> Chunk:
+        lon = np.asarray(batch.lon, dtype=np.float64)
+        lat = np.asarray(batch.lat, dtype=np.float64)
+        cx = np.clip(((lon + 180) / CELL_DEG).astype(np.int64), 0, NX - 1)
+        cy = np.clip(((lat + 90) / CELL_DEG).astype(np.int64), 0, NY - 1)
+        cell = cy * NX + cx
+        order = np.argsort(cell, kind="stable")
+        return Chunk(bucket=bucket, at=at, first_at=float(at.min()), last_at=float(at.max()),
+                     batch=batch, lon=lon, lat=lat, ts=np.asarray(batch.ts, dtype=np.float64),
+                     moving=np.asarray(batch.moving, dtype=bool), order=order,
+                     cells=cell[order])
+
+    @staticmethod
+    def merge(chunks: list[Chunk]) -> Chunk:
+        """One chunk of consecutive chunks of one bucket, rows in the same order."""
+        return Chunk.build(chunks[0].bucket, ObjectBatch.concat([c.batch for c in chunks]),
+                           np.concatenate([c.at for c in chunks]))
+
+
+@dataclass
+class TenantRecords:
+    """One tenant's records on this worker, oldest chunk first, and per moving object the
+    (ts, arrival) of each of its records here, in arrival order (for `latest`)."""
+
+    chunks: deque[Chunk] = field(default_factory=deque)
+    by_object: dict[str, deque[tuple[float, float]]] = field(default_factory=dict)
+    size: int = 0
+
+    def add(self, chunk: Chunk) -> None:
+        self.chunks.append(chunk)
+        self.size += len(chunk.batch)
+        for i in np.flatnonzero(chunk.moving).tolist():
+            oid = chunk.batch.ids[i]
+            seen = self.by_object.get(oid)
+            if seen is None:
+                seen = self.by_object[oid] = deque()
+            seen.append((chunk.batch.ts[i], float(chunk.at[i])))
+
+    def compact(self) -> None:
+        """Merge runs of consecutive chunks of one bucket into chunks of up to MERGED_ROWS
+        rows (row order, and so the arrival order `by_object` relies on, is kept)."""
+        merged: deque[Chunk] = deque()
+        run: list[Chunk] = []
+        rows = 0
+
+        def flush() -> None:
+            if len(run) > 1:
+                merged.append(Chunk.merge(run))
+            else:
+                merged.extend(run)
+
+        for chunk in self.chunks:
+            n = len(chunk.batch)
+            if run and (chunk.bucket != run[0].bucket or rows + n > MERGED_ROWS):
+                flush()
+                run, rows = [], 0
+            run.append(chunk)
+            rows += n
+        flush()
+        self.chunks = merged
+
+    def expire(self, horizon: int) -> None:
+        """Drop the chunks of buckets before `horizon`."""
+        while self.chunks and self.chunks[0].bucket < horizon:
+            chunk = self.chunks.popleft()
+            self.size -= len(chunk.batch)
+            for i in np.flatnonzero(chunk.moving).tolist():
+                oid = chunk.batch.ids[i]
+                seen = self.by_object[oid]
+                seen.popleft()  # arrival order: this chunk's record is the oldest left
+                if not seen:
+                    del self.by_object[oid]
+
+    def latest_ts(self, oid: str, t_from: float | None, t_to: float | None,
+                  as_of: float) -> tuple[float, float] | None:
+        """The greatest (ts, arrival) of the object's records here with t_from <= ts <= t_to
+        that arrived by `as_of`, or None."""
+        best: tuple[float, float] | None = None
+        for ts, at in self.by_object.get(oid, ()):
+            if at > as_of or (t_from is not None and ts < t_from) or (
+                    t_to is not None and ts > t_to):
+                continue
+            if best is None or (ts, at) > best:
+                best = (ts, at)
+        return best
+
+
+class RecordWindow:
+    """Every tenant's records on this worker."""
+
+    def __init__(self, window_s: float, bucket_s: float) -> None:
+        self.window_s = window_s
+        self.bucket_s = bucket_s
+        self.tenants: dict[str, TenantRecords] = {}
+
+    def __len__(self) -> int:
+        return sum(t.size for t in self.tenants.values())
+
+    def horizon(self, now: float) -> int:
+        """The oldest bucket still in the window."""
+        return int((now - self.window_s) // self.bucket_s)
+
+    def add(self, batch: ObjectBatch, now: float) -> None:
+        """Store a batch of records (exit-only copies removed by the caller) unless its
+        bucket has left the window already (a replay, a rebuild)."""
+        if not len(batch):
+            return
+        chunk = Chunk.of(batch, self.bucket_s)
+        if chunk.bucket < self.horizon(now):
+            return
+        records = self.tenants.get(batch.tenant)
+        if records is None:
+            records = self.tenants[batch.tenant] = TenantRecords()
+        records.add(chunk)
+
+    def expire(self, now: float) -> None:
+        """Drop what left the window, and merge small chunks."""
+        horizon = self.horizon(now)
+        for records in self.tenants.values():
+            records.expire(horizon)
+            records.compact()
+        for tenant in [t for t, r in self.tenants.items() if not r.size]:
+            del self.tenants[tenant]
+
+
+def records_of(batch: ObjectBatch) -> ObjectBatch | None:
+    """The rows of an entry that are records to keep (not exit-only copies), or None."""
+    if not any(batch.exit_only):
+        return batch
+    rows = [i for i, x in enumerate(batch.exit_only) if not x]
+    return batch.take(rows) if rows else None

@@ -1,0 +1,251 @@
+"""One worker's share of a snapshot query (SSTD §4: snapshot range-keyword, kNN-keyword and
+top-k frequent terms; CheetahGIS's range count): the records of its window that satisfy the
+query, chunk by chunk: the rows of the coarse cells the region covers (each chunk keeps its
+rows sorted by cell), filtered with numpy by region and time, then by keywords. Pure: the
+window and the query in, a `wire.QueryReply` out.
+
+With `latest`, a moving object's record counts only if it is the object's latest record here
+within the time range (taken before the region and keyword predicates: a taxi whose latest
+record left the box is not in it). Whether it is also the latest of all workers' records is
+the aggregator's check (`QueryPart.latest_of`), so those records are always listed.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from app.geo.geometry import bbox_contains, circle_bbox, haversine_m
+from app.pipeline import wire
+from workers.records import Chunk, TenantRecords
+
+Row = tuple[Chunk, int]
+
+
+def evaluate(records: TenantRecords | None, part: wire.QueryPart, worker: str
+             ) -> wire.QueryReply:
+    """The reply of this worker to `part`."""
+    q = part.query
+    if part.latest_of is not None:
+        latest: dict[str, float] = {}
+        if records is not None:
+            for oid in part.latest_of:
+                best = records.latest_ts(oid, q.t_from, q.t_to, part.as_of)
+                if best is not None:
+                    latest[oid] = best[0]
+        return wire.QueryReply(worker=worker, latest=latest)
+    if q.type == "knn":
+        return _nearest(records, part, worker)
+    if q.type == "count" and not q.keywords and not q.latest:
+        # nothing to check row by row: the rows' numbers
+        return wire.QueryReply(worker=worker, count=sum(
+            int(rows.size) for _, rows in _region_rows(records, part)))
+    rows = _matching(records, part)
+    if q.type in ("range", "keyword"):
+        order = sorted(range(len(rows)), key=lambda j: _newest_first(rows[j]))
+        return _listed(worker, rows, order, part.limit)
+    # count and topk_terms: with `latest`, moving objects' records are listed for the check
+    reply = wire.QueryReply(worker=worker)
+    terms: Counter[str] = Counter()
+    for chunk, i in rows:
+        if q.latest and chunk.batch.moving[i]:
+            reply.records.append(_found(chunk, i, light=True))
+            continue
+        reply.count += 1
+        if q.type == "topk_terms":
+            terms.update(chunk.batch.keywords[i])
+    reply.terms = dict(terms)
+    return reply
+
+
+def _newest_first(row: Row) -> tuple[float, str, float]:
+    chunk, i = row
+    return (-chunk.batch.ts[i], chunk.batch.ids[i], -float(chunk.at[i]))
+
+
+def _by_distance(dist: Any, limit: int) -> Any:
+    """Row positions in order of distance: the nearest few first from a partial sort (O(n)),
+    all of them only if the predicates refuse so many that the loop gets that far."""
+    n = dist.size
+    first = min(n, max(64, 8 * limit))
+    if first < n:
+        near = np.argpartition(dist, first - 1)[:first]
+        near = near[np.argsort(dist[near], kind="stable")]
+        yield from near.tolist()
+        rest = np.ones(n, dtype=bool)
+        rest[near] = False
+        # ties with the last of the first few may lie in the rest: the rest starts at its
+        # distance, and rows already given are skipped
+        far = np.flatnonzero(rest)
+        yield from far[np.argsort(dist[far], kind="stable")].tolist()
+    else:
+        yield from np.argsort(dist, kind="stable").tolist()
+
+
+def _listed(worker: str, rows: list[Row], order: list[int], limit: int) -> wire.QueryReply:
+    out = [_found(*rows[j]) for j in (order[:limit] if limit else order)]
+    return wire.QueryReply(worker=worker, records=out,
+                           truncated=bool(limit) and len(order) > limit)
+
+
+def _found(chunk: Chunk, i: int, light: bool = False) -> wire.FoundRecord:
+    b = chunk.batch
+    return wire.FoundRecord(id=b.ids[i], lon=b.lon[i], lat=b.lat[i], ts=b.ts[i],
+                            keywords=b.keywords[i], text=None if light else b.text[i],
+                            props=None if light else b.props[i], moving=b.moving[i],
+                            at=float(chunk.at[i]))
+
+
+def _in_time(chunk: Chunk, part: wire.QueryPart, rows: Any) -> Any:
+    """The rows (indices) of a chunk within the query's time range that arrived by `as_of`
+    (a later arrival is seen by no round of the query)."""
+    q = part.query
+    if chunk.last_at > part.as_of:
+        rows = rows[chunk.at[rows] <= part.as_of]
+    if q.t_from is not None:
+        rows = rows[chunk.ts[rows] >= q.t_from]
+    if q.t_to is not None:
+        rows = rows[chunk.ts[rows] <= q.t_to]
+    return rows
+
+
+def _accepts(records: TenantRecords, part: wire.QueryPart, wanted: frozenset[str],
+             chunk: Chunk, i: int) -> bool:
+    """The keyword predicate and, with `latest`, this worker's part of it."""
+    q = part.query
+    if wanted and not _keywords_hold(wanted, q.match_all, chunk.batch.keywords[i]):
+        return False
+    return not (q.latest and chunk.moving[i] and not _latest_here(records, chunk, i, part))
+
+
+def _region_rows(records: TenantRecords | None, part: wire.QueryPart
+                 ) -> Iterator[tuple[Chunk, Any]]:
+    """Per chunk seen by the query (arrived by `as_of`), the rows within its time range and
+    region, read from the cells the region covers."""
+    if records is None:
+        return
+    q = part.query
+    for chunk in records.chunks:
+        if chunk.first_at > part.as_of:
+            continue  # arrived after the query started: no round of it may see it
+        if q.bbox is not None:
+            rows = chunk.rows_in(q.bbox)
+            rows = rows[bbox_contains(q.bbox, chunk.lon[rows], chunk.lat[rows])]
+        elif q.circle is not None:
+            lon, lat, radius = q.circle
+            rows = chunk.rows_in(circle_bbox(lon, lat, radius))
+            rows = rows[haversine_m(lon, lat, chunk.lon[rows], chunk.lat[rows]) <= radius]
+        else:
+            rows = np.arange(chunk.ts.size, dtype=np.int64)
+        yield chunk, _in_time(chunk, part, rows)
+
+
+def _matching(records: TenantRecords | None, part: wire.QueryPart) -> list[Row]:
+    """The rows satisfying a query with a region, or none (keyword)."""
+    if records is None:
+        return []
+    q = part.query
+    wanted = frozenset(q.keywords)
+    check = bool(wanted) or q.latest
+    rows: list[Row] = []
+    for chunk, picked in _region_rows(records, part):
+        if check:
+            rows.extend((chunk, i) for i in picked.tolist()
+                        if _accepts(records, part, wanted, chunk, i))
+        else:
+            rows.extend((chunk, i) for i in picked.tolist())
+    return rows
+
+
+FIRST_RADIUS_M = 1_000.0  # knn looks this far first, then 4x as far until it is sure
+WORLD_M = 2.1e7  # beyond half the circumference every point is within reach
+
+
+def _nearest(records: TenantRecords | None, part: wire.QueryPart, worker: str
+             ) -> wire.QueryReply:
+    """knn: the `part.limit` nearest rows that satisfy the query, by (distance, id). It reads
+    the rows of the cells within a radius (a circle's rows are all there), growing the radius
+    until the list is full and one more accepted row beyond its last distance (`truncated`)
+    is found, or the radius covers the world. Rows are examined in order of distance, so the
+    predicates run on the nearest only."""
+    if records is None:
+        return wire.QueryReply(worker=worker)
+    q = part.query
+    assert q.point is not None
+    px, py = q.point
+    limit = part.limit or q.k
+    wanted = frozenset(q.keywords)
+    radius = FIRST_RADIUS_M
+    while True:
+        world = radius >= WORLD_M
+        box = circle_bbox(px, py, min(radius, WORLD_M))
+        chunks: list[Chunk] = []
+        parts_c, parts_r, parts_d = [], [], []
+        for chunk in records.chunks:
+            if chunk.first_at > part.as_of:
+                continue
+            rows = _in_time(chunk, part, chunk.rows_in(box))
+            d = haversine_m(px, py, chunk.lon[rows], chunk.lat[rows])
+            if not world:
+                keep = d <= radius
+                rows, d = rows[keep], d[keep]
+            if rows.size:
+                parts_c.append(np.full(rows.size, len(chunks), dtype=np.int64))
+                parts_r.append(rows)
+                parts_d.append(d)
+                chunks.append(chunk)
+        taken, more = _take_nearest(records, part, wanted, limit, chunks, parts_c, parts_r,
+                                    parts_d)
+        if world or more:
+            break
+        radius *= 4
+    out = []
+    for d, _, _, _, (chunk, i) in taken[:limit]:
+        found = _found(chunk, i)
+        found.distance_m = d
+        out.append(found)
+    return wire.QueryReply(worker=worker, records=out, truncated=more)
+
+
+def _take_nearest(records: TenantRecords, part: wire.QueryPart, wanted: frozenset[str],
+                  limit: int, chunks: list[Chunk], parts_c: list[Any], parts_r: list[Any],
+                  parts_d: list[Any]) -> tuple[list[tuple[float, str, float, float, Row]], bool]:
+    """The accepted rows up to the limit-th distance (ties included), sorted as the
+    aggregator merges them, and whether one more accepted row lies beyond."""
+    # sorted as the aggregator merges: (distance, id, newest record first, latest arrival)
+    taken: list[tuple[float, str, float, float, Row]] = []
+    if not chunks:
+        return taken, False
+    which, row, dist = np.concatenate(parts_c), np.concatenate(parts_r), np.concatenate(parts_d)
+    more = False
+    for j in _by_distance(dist, limit):
+        d = float(dist[j])
+        chunk, i = chunks[which[j]], int(row[j])
+        if not _accepts(records, part, wanted, chunk, i):
+            continue
+        if len(taken) >= limit and d > taken[limit - 1][0]:
+            more = True  # past the list's last distance
+            break
+        taken.append((d, chunk.batch.ids[i], -chunk.batch.ts[i], -float(chunk.at[i]),
+                      (chunk, i)))
+        if len(taken) >= limit:
+            taken.sort(key=lambda t: t[:4])
+    taken.sort(key=lambda t: t[:4])
+    return taken, more or len(taken) > limit
+
+
+def _keywords_hold(wanted: frozenset[str], match_all: bool, kws: list[str]) -> bool:
+    if match_all:
+        return wanted.issubset(kws)
+    return not wanted.isdisjoint(kws)
+
+
+def _latest_here(records: TenantRecords, chunk: Chunk, i: int, part: wire.QueryPart) -> bool:
+    """Whether row i is the object's latest record on this worker (within the query's time
+    range, arrived by `as_of`); of two with the same ts and arrival, the later row wins."""
+    b = chunk.batch
+    best = records.latest_ts(b.ids[i], part.query.t_from, part.query.t_to, part.as_of)
+    return best == (b.ts[i], float(chunk.at[i])) and chunk.last_row()[(b.ids[i], b.ts[i])] == i
