@@ -19,6 +19,14 @@ PART_SEQ = "gs:partition:seq"  # counter for new partition ids "p<n>"
 WORKERS_KEY = "gs:workers"  # hash worker id -> JSON heartbeat {pid, host, heartbeat, ...}
 DEAD_LETTER = "gs:dead"  # stream of entries delivered too often
 DEAD_LETTER_COUNT = "gs:metrics:dead_letter"
+DEAD_LETTER_REPLAY_TTL_S = 24 * 3600
+
+
+def dead_letter_replayed_key(dead_letter_id: str) -> str:
+    """String `<stream>`, newline, `<new entry id>`: the outcome of a dead letter's replay,
+    so that a replay sent again (its reply was lost) answers the same instead of 404."""
+    return f"gs:dead:replayed:{dead_letter_id}"
+
 
 # Channels to the api processes' hubs.
 NOTIFY_CHANNEL = "gs:notify"  # wire.HistoryAppended / wire.SubsChanged from the workers

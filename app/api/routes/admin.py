@@ -359,10 +359,14 @@ _OWN_FIELDS = (b"stream", b"id", b"why")
 # dead-letter commands, which would be stale anyway).
 _WORKER_STREAMS = names.worker_stream("")
 
-# KEYS[1] the dead-letter stream, KEYS[2] the stream the entry came from; ARGV[1] the dead
-# letter's id. In one step: the entry's own fields appended to its stream as a new entry, and
-# the dead letter deleted. Answers {status} or {status, new id}.
+# KEYS[1] the dead-letter stream, KEYS[2] the stream the entry came from, KEYS[3] the replay's
+# outcome (names.dead_letter_replayed_key); ARGV[1] the dead letter's id, ARGV[2] how long the
+# outcome is kept. In one step: the entry's own fields appended to its stream as a new entry,
+# the dead letter deleted and the outcome kept, so that the same replay sent again answers the
+# same. Answers {status} or {200, "<stream>\n<new id>"}.
 _REPLAY = """
+local done = redis.call('GET', KEYS[3])
+if done then return {200, done} end
 local found = redis.call('XRANGE', KEYS[1], ARGV[1], ARGV[1])
 if #found == 0 then return {404} end
 local fields, out, stream = found[1][2], {}, nil
@@ -378,7 +382,9 @@ if stream ~= KEYS[2] or #out == 0 then return {409} end
 if redis.call('EXISTS', KEYS[2]) == 0 then return {410} end
 local new = redis.call('XADD', KEYS[2], '*', unpack(out))
 redis.call('XDEL', KEYS[1], ARGV[1])
-return {200, new}
+local outcome = KEYS[2] .. '\\n' .. new
+redis.call('SET', KEYS[3], outcome, 'EX', ARGV[2])
+return {200, outcome}
 """
 
 
@@ -442,23 +448,29 @@ async def list_dead_letters(
 
 @router.post("/dead-letters/{dead_letter_id}/replay", response_model=DeadLetterReplayed,
              responses=errors(404, 409, *ADMIN, descriptions={
-                 404: "No dead letter with this id.",
+                 404: "No dead letter with this id, and none replayed with it within a day.",
                  409: "The dead letter cannot be replayed: its stream is not a worker's, no "
                       "longer exists, or it carries no entry fields.",
              }))
 async def replay_dead_letter(dead_letter_id: str, state: StateDep, _admin: AdminDep
                              ) -> DeadLetterReplayed:
     """Append the entry to the stream it came from again, and delete the dead letter, in one
-    step. An entry that fails again comes back here with a new id."""
+    step. An entry that fails again comes back here with a new id. The same replay sent again
+    (within a day) answers the same, and appends nothing."""
     did = _known_id(dead_letter_id)
+    done_key = names.dead_letter_replayed_key(did)
     found = await state.redis.xrange(names.DEAD_LETTER, min=did, max=did)
     if not found:
-        raise NotFound(f"no dead letter {did!r}")
+        done = _decode(await state.redis.get(done_key))
+        if done is None:
+            raise NotFound(f"no dead letter {did!r}")
+        stream, new_id = done.split("\n", 1)
+        return DeadLetterReplayed(id=did, stream=stream, entry_id=new_id)
     stream = _decode((found[0][1] or {}).get(b"stream"))
     if stream is None or not stream.startswith(_WORKER_STREAMS):
         raise Conflict(f"dead letter {did!r} came from {stream!r}, not a worker's stream")
-    reply = await state.redis.register_script(_REPLAY)(keys=[names.DEAD_LETTER, stream],
-                                                        args=[did])
+    reply = await state.redis.register_script(_REPLAY)(
+        keys=[names.DEAD_LETTER, stream, done_key], args=[did, names.DEAD_LETTER_REPLAY_TTL_S])
     status = int(reply[0])
     if status == 404:
         raise NotFound(f"no dead letter {did!r}")  # replayed or deleted meanwhile
@@ -466,7 +478,7 @@ async def replay_dead_letter(dead_letter_id: str, state: StateDep, _admin: Admin
         raise Conflict(f"dead letter {did!r} carries no entry to replay")
     if status == 410:
         raise Conflict(f"the stream {stream!r} of dead letter {did!r} no longer exists")
-    new_id = _decode(reply[1]) or ""
+    stream, new_id = (_decode(reply[1]) or "").split("\n", 1)
     log.info("dead letter %s replayed to %s as %s", did, stream, new_id)
     return DeadLetterReplayed(id=did, stream=stream, entry_id=new_id)
 
