@@ -115,6 +115,10 @@ class HistoryBatch:
 
 
 Parsed = tuple[str, tuple[int, int], wire.MatchRefs, dict[bytes, bytes]]
+# One read of a connection's histories takes at most this many entries and stops adding entries
+# once they hold this many matches: what a slow client's catch-up holds in memory is bounded.
+HISTORY_ENTRIES_PER_READ = 2048
+HISTORY_LINES_PER_READ = 10_000
 NO_REFS = wire.MatchRefs([], b"")  # a kNN entry references no records
 
 
@@ -125,9 +129,12 @@ async def read_history(redis: aioredis.Redis, sub_id: str, pos: Position, count:
 
 
 async def read_histories(redis: aioredis.Redis, positions: dict[str, Position], count: int,
-                         tenant: str) -> dict[str, HistoryBatch]:
+                         tenant: str, max_lines: int | None = None) -> dict[str, HistoryBatch]:
     """Many subscriptions' messages after their positions in two round trips: one pipeline of
-    XRANGEs, one of HMGETs for the records they reference (each record stored once)."""
+    XRANGEs, one of HMGETs for the records they reference (each record stored once). With
+    `max_lines`, the entries read stop once they hold that many matches (at least one entry is
+    read): the records fetched and rendered stay bounded however large the entries are, and a
+    subscription cut short comes back `full` (read it again)."""
     subs = list(positions)
     pipe = redis.pipeline(transaction=False)
     for sub in subs:
@@ -135,11 +142,17 @@ async def read_histories(redis: aioredis.Redis, positions: dict[str, Position], 
     replies = await pipe.execute()
     parsed: dict[str, list[Parsed]] = {}
     wanted: dict[bytes, set[bytes]] = {}
+    cut: set[str] = set()
+    lines = 0
     for sub, entries in zip(subs, replies, strict=True):
         rows = parsed[sub] = []
         for eid_b, fields in entries:
+            if max_lines is not None and lines >= max_lines:
+                cut.add(sub)
+                break
             eid = eid_b.decode()
             refs = wire.decode_refs(fields[b"m"]) if b"m" in fields else NO_REFS
+            lines += max(1, len(refs.record_ids))
             rows.append((eid, parse_entry_id(eid), refs, fields))
             if b"b" in fields:
                 rkey = names.records_key(tenant, int(fields[b"b"])).encode()
@@ -152,8 +165,11 @@ async def read_histories(redis: aioredis.Redis, positions: dict[str, Position], 
             pipe.hmget(rk, rids)
         for (rk, rids), vals in zip(order, await pipe.execute(), strict=True):
             records[rk] = {r.decode(): v for r, v in zip(rids, vals, strict=True)}
-    return {sub: render_entries(sub, parsed[sub], records, positions[sub], count, tenant)
-            for sub in subs}
+    out = {sub: render_entries(sub, parsed[sub], records, positions[sub], count, tenant)
+           for sub in subs}
+    for sub in cut:
+        out[sub].full = True
+    return out
 
 
 def render_entries(sub_id: str, parsed: list[Parsed], records: dict[bytes, dict[str, bytes | None]],
@@ -537,7 +553,11 @@ class Hub:
                          if sub in conn.positions}
             if not positions:
                 continue
-            batches = await read_histories(self.redis, positions, min(256, budget), tenant)
+            # Bounded memory per read, whatever the backlog: at most HISTORY_ENTRIES_PER_READ
+            # entries and about HISTORY_LINES_PER_READ matches (the rest is read next time).
+            count = max(1, min(256, budget, HISTORY_ENTRIES_PER_READ // len(positions)))
+            batches = await read_histories(self.redis, positions, count, tenant,
+                                           max_lines=HISTORY_LINES_PER_READ)
             waiting = [max(batch.first_unread_ms, conn.listened_ms.get(sub, 0))
                        for sub, batch in batches.items() if batch.first_unread_ms is not None]
             if waiting and await self.lagging(min(waiting)):
