@@ -229,13 +229,11 @@ class Executor:
         self.add_subscriptions(mine)
         log.info("worker %s rebuilt %d subscriptions from SQL", self.id, len(mine))
 
-    def rebuild_positions(self, parts: list[Partition] | None = None
-                           ) -> dict[str, list[tuple[float, float, frozenset[str]]]]:
+    def rebuild_positions(self, parts: list[Partition] | None = None) -> None:
         """Moving objects whose latest position lies in this worker's partitions (or in
-        `parts`) into the kNN state, and the positions added per tenant; events of the window
-        are not rebuilt after a crash."""
+        `parts`) into the kNN state (each local list takes them in); events of the window are
+        not rebuilt after a crash."""
         assert self.index is not None
-        added: dict[str, list[tuple[float, float, frozenset[str]]]] = {}
         me = self.index.workers.index(self.id) if self.id in self.index.workers else -1
         for key in self.redis.scan_iter(match=names.POSITIONS_PREFIX + "*", count=1000):
             tenant = key.decode()[len(names.POSITIONS_PREFIX):]
@@ -261,10 +259,9 @@ class Executor:
             state = self.knn_state(tenant)
             for i in np.flatnonzero(mine).tolist():
                 words = frozenset(rest[i][1])
-                state.objects.upsert_moving(ids[i], float(lons[i]), float(lats[i]), words,
-                                            float(rest[i][0]))
-                added.setdefault(tenant, []).append((float(lons[i]), float(lats[i]), words))
-        return added
+                state.upsert_moving(ids[i], float(lons[i]), float(lats[i]), words,
+                                    float(rest[i][0]))
+            state.refresh()
 
     def _rebuild_window(self) -> None:
         """The records of the live window from the window log (see `workers.records`)."""
@@ -275,13 +272,15 @@ class Executor:
     def knn_state(self, tenant: str) -> KnnState:
         state = self.knn.get(tenant)
         if state is None:
-            state = self.knn[tenant] = KnnState(self.settings.window_s, self.settings.bucket_s)
+            assert self.index is not None
+            state = self.knn[tenant] = KnnState(self.settings.window_s, self.settings.bucket_s,
+                                                self.index.grid)
         return state
 
     def merge_knn(self, tenant: str, subs: list[KnnSub], pipe: Any) -> None:
         for sub in subs:
             self.touched.add(sub.id)  # its history is trimmed by age with the others
-            local = orjson.dumps([list(n) for n in sub.local])
+            local = orjson.dumps([[n[0], n[1], n[2], n[3]] for n in sub.local])
             self._merge(keys=[names.knn_key(sub.id), names.history_key(sub.id),
                               names.history_last_key(sub.id)],
                         args=[self.id, local, sub.k, self.settings.history_max_len,
@@ -659,7 +658,7 @@ class Executor:
                                 for k in (names.history_key(sid), names.history_last_key(sid))])
         for state in self.knn.values():
             for sid in ids:
-                if state.subs.pop(sid, None) is not None:
+                if state.remove(sid) is not None:
                     self.redis.delete(names.knn_key(sid))
         for sid in ids:
             self.subs.remove(sid)
@@ -671,8 +670,8 @@ class Executor:
         state = self.knn.get(msg.tenant)
         if state is None:
             return
-        state.objects.drop_moving(msg.ids)
-        changed = state.refresh(True, [])
+        state.drop_moving(msg.ids)
+        changed = state.refresh()
         if changed:
             self.merge_knn(msg.tenant, changed, pipe)
             notify.setdefault(msg.tenant, set()).update(s.id for s in changed)

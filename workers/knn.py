@@ -9,14 +9,23 @@ subscription's history when its membership changed (one decision point, no lost 
 
 from __future__ import annotations
 
+import math
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
-from app.geo.geometry import haversine_m
+from app.geo.geometry import circle_bbox, haversine_m
+from app.geo.grid import Grid
 from app.pipeline.wire import ObjectBatch
+from workers.knn_index import Neighbor, PointIndex
 from workers.window import LiveWindow
+
+MOVING, EVENT = 0, 1  # the kinds of object a worker holds (their ids may coincide)
+REACH_GRID = Grid(nx=720, ny=360)  # half-degree cells: which lists an arrival can enter
+MAX_REACH_CELLS = 256  # a list reaching over more cells is checked against every arrival
 
 # KEYS[1] = gs:knn:<sub> (hash: worker -> local list JSON, "_merged" -> ids JSON)
 # KEYS[2] = history stream, KEYS[3] = its last-id marker (see HISTORY_SCRIPT);
@@ -64,7 +73,7 @@ class KnnSub:
     k: int
     keywords: frozenset[str]
     match_all: bool
-    local: list[tuple[float, str, float, float]] = field(default_factory=list)
+    local: list[Neighbor] = field(default_factory=list)  # nearest first
 
     def accepts(self, kws: frozenset[str]) -> bool:
         if not self.keywords:
@@ -81,7 +90,8 @@ def knn_sub(sub_id: str, spec: dict[str, Any]) -> KnnSub:
 
 def top_k(window: LiveWindow, sub: KnnSub) -> list[tuple[float, str, float, float]]:
     """The k records of the window nearest to the subscription's point that satisfy its
-    keyword predicate, as (distance, id, lon, lat), ties broken by id."""
+    keyword predicate, as (distance rounded to the millimetre, id, lon, lat), ties broken by
+    id: the brute-force statement of `KnnState`'s lists (tests)."""
     ids, lons, lats = [], [], []
     for source in (window.moving, window.events):
         for oid, (lon, lat, kws) in source.items():
@@ -91,54 +101,275 @@ def top_k(window: LiveWindow, sub: KnnSub) -> list[tuple[float, str, float, floa
                 lats.append(lat)
     if not ids:
         return []
-    d = haversine_m(sub.lon, sub.lat, np.asarray(lons), np.asarray(lats))
-    order = sorted(range(len(ids)), key=lambda i: (float(d[i]), ids[i]))[: sub.k]
-    return [(round(float(d[i]), 3), ids[i], lons[i], lats[i]) for i in order]
+    d = [round(x, 3) for x in
+         haversine_m(sub.lon, sub.lat, np.asarray(lons), np.asarray(lats)).tolist()]
+    order = sorted(range(len(ids)), key=lambda i: (d[i], ids[i]))[:sub.k]
+    return [(d[i], ids[i], lons[i], lats[i]) for i in order]
+
+
+class Reach:
+    """Which lists an arriving object can enter: each subscription is registered in the grid
+    cells its circle (its point, its k-th distance) covers, with slack so that it moves
+    rarely; one that holds fewer than k, or reaches over many cells, is checked against every
+    arrival (`wide`). Arrivals are then checked only against the lists of their cell."""
+
+    def __init__(self, grid: Grid) -> None:
+        self.grid = grid
+        self.cells: dict[int, set[str]] = {}
+        self.registered: dict[str, tuple[float, list[int]]] = {}  # sub -> (radius, cells)
+        self.wide: set[str] = set()
+
+    def update(self, sub: KnnSub) -> None:
+        need = sub.local[-1][0] + 0.01 if len(sub.local) >= sub.k else math.inf
+        held = self.registered.get(sub.id)
+        if held is not None:
+            if held[1] and held[0] / 4 <= need <= held[0]:
+                return  # still covered, and not far too wide
+            if not held[1] and not math.isfinite(need):
+                return  # fewer than k: checked against every arrival
+        self.remove(sub.id)
+        cells: list[int] = []
+        radius = need * 1.5
+        if math.isfinite(radius):
+            x0, y0, x1, y1 = self.grid.cell_range(circle_bbox(sub.lon, sub.lat, radius))
+            if (x1 - x0 + 1) * (y1 - y0 + 1) <= MAX_REACH_CELLS:
+                cells = [y * self.grid.nx + x for y in range(y0, y1 + 1)
+                         for x in range(x0, x1 + 1)]
+        if not cells:
+            radius = math.inf
+            self.wide.add(sub.id)
+        for c in cells:
+            self.cells.setdefault(c, set()).add(sub.id)
+        self.registered[sub.id] = (radius, cells)
+
+    def remove(self, sub_id: str) -> None:
+        held = self.registered.pop(sub_id, None)
+        if held is None:
+            return
+        self.wide.discard(sub_id)
+        for c in held[1]:
+            subs = self.cells[c]
+            subs.discard(sub_id)
+            if not subs:
+                del self.cells[c]
+
+    def pairs(self, lon: npt.NDArray[np.float64], lat: npt.NDArray[np.float64]
+              ) -> tuple[list[str], npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+        """(subscription ids, sub index, arrival index) of every pair to check."""
+        names: list[str] = []
+        si: list[npt.NDArray[np.int64]] = []
+        ci: list[npt.NDArray[np.int64]] = []
+        cx, cy = self.grid.cells_of(lon, lat)
+        cid = self.grid.cell_id(cx.astype(np.int64), cy.astype(np.int64))
+        order = np.argsort(cid, kind="stable")
+        uniq, start = np.unique(cid[order], return_index=True)
+        ends = [*start[1:].tolist(), len(order)]
+        for c, a, b in zip(uniq.tolist(), start.tolist(), ends, strict=True):
+            subs = self.cells.get(c)
+            if not subs:
+                continue
+            rows = order[a:b]
+            for sid in subs:
+                si.append(np.full(len(rows), len(names), dtype=np.int64))
+                ci.append(rows)
+                names.append(sid)
+        everyone = np.arange(len(lon), dtype=np.int64)
+        for sid in self.wide:
+            si.append(np.full(len(lon), len(names), dtype=np.int64))
+            ci.append(everyone)
+            names.append(sid)
+        if not names:
+            empty = np.zeros(0, dtype=np.int64)
+            return names, empty, empty
+        return names, np.concatenate(si), np.concatenate(ci)
 
 
 class KnnState:
-    """kNN subscriptions and owned objects of one tenant on one worker."""
+    """kNN subscriptions and owned objects of one tenant on one worker.
 
-    def __init__(self, window_s: float, bucket_s: float) -> None:
+    Each subscription's local top-k is maintained incrementally: an object that arrives or
+    moves is a candidate only for the subscriptions whose list it can enter (nearer than their
+    k-th, computed for the whole batch at once), and only a subscription that loses one of its
+    members (moved, gone, expired) searches again, in the spatial index (`PointIndex`), never
+    by a scan of every object. `top_k` is the brute-force statement of the same lists."""
+
+    def __init__(self, window_s: float, bucket_s: float, grid: Grid | None = None) -> None:
         self.subs: dict[str, KnnSub] = {}
         self.objects = LiveWindow(window_s, bucket_s)
+        self.points = PointIndex(grid or Grid())
+        self.reach = Reach(REACH_GRID)
+        # object (kind, id) -> the subscriptions whose local list holds it
+        self.members: dict[Hashable, set[str]] = {}
+        self._moved: set[tuple[int, str]] = set()  # left their position since the last refresh
+        self._placed: set[tuple[int, str]] = set()  # took a new position since then
 
+    # --- the objects ----------------------------------------------------------------------
+    def _place(self, key: tuple[int, str], lon: float, lat: float, kws: frozenset[str]) -> None:
+        if self.points.remove(key):
+            self._moved.add(key)
+        self.points.add(key, key[1], lon, lat, kws)
+        self._placed.add(key)
+
+    def _drop(self, key: tuple[int, str]) -> None:
+        if self.points.remove(key):
+            self._moved.add(key)
+        self._placed.discard(key)
+
+    def upsert_moving(self, oid: str, lon: float, lat: float, kws: frozenset[str],
+                      ts: float) -> None:
+        if self.objects.upsert_moving(oid, lon, lat, kws, ts):
+            self._place((MOVING, oid), lon, lat, kws)
+
+    def remove_moving(self, oid: str, ts: float) -> None:
+        if self.objects.remove_moving(oid, ts):
+            self._drop((MOVING, oid))
+
+    def drop_moving(self, ids: list[str]) -> None:
+        for oid in self.objects.drop_moving(ids):
+            self._drop((MOVING, oid))
+
+    def add_event(self, oid: str, lon: float, lat: float, kws: frozenset[str], at: float) -> None:
+        self.objects.add_event(oid, lon, lat, kws, at)
+        self._place((EVENT, oid), lon, lat, kws)
+
+    def expire(self, now: float) -> None:
+        for oid in self.objects.expire(now):
+            self._drop((EVENT, oid))
+
+    # --- the subscriptions -----------------------------------------------------------------
     def add(self, sub: KnnSub) -> KnnSub:
-        sub.local = top_k(self.objects, sub)
+        self.remove(sub.id)
         self.subs[sub.id] = sub
+        self._set_local(sub, self._search(sub))
         return sub
+
+    def remove(self, sub_id: str) -> KnnSub | None:
+        sub = self.subs.pop(sub_id, None)
+        if sub is not None:
+            self._set_local(sub, [])
+            self.reach.remove(sub_id)
+        return sub
+
+    def _search(self, sub: KnnSub) -> list[Neighbor]:
+        return self.points.nearest(sub.lon, sub.lat, sub.k,
+                                   sub.accepts if sub.keywords else None)
+
+    def _set_local(self, sub: KnnSub, new: list[Neighbor]) -> None:
+        for n in sub.local:
+            held = self.members.get(n[4])
+            if held is not None:
+                held.discard(sub.id)
+                if not held:
+                    del self.members[n[4]]
+        sub.local = new
+        for n in new:
+            self.members.setdefault(n[4], set()).add(sub.id)
+        if sub.id in self.subs:
+            self.reach.update(sub)
 
     def apply(self, batch: ObjectBatch, at: list[float], now: float) -> list[KnnSub]:
         """Fold a batch into the owned objects; return the subscriptions whose local top-k
         changed."""
-        touched: list[tuple[float, float, frozenset[str]]] = []
-        removed = False
         for i, oid in enumerate(batch.ids):
             kws = frozenset(batch.keywords[i])
             if batch.exit_only[i]:
                 # exit-only copy: the object moved to another worker's partition
                 if not batch.late[i]:
-                    removed |= self.objects.remove_moving(oid, batch.ts[i])
+                    self.remove_moving(oid, batch.ts[i])
                 continue
             if batch.moving[i]:
-                if batch.late[i]:
-                    continue
-                self.objects.upsert_moving(oid, batch.lon[i], batch.lat[i], kws,
-                                           batch.ts[i])
+                if not batch.late[i]:
+                    self.upsert_moving(oid, batch.lon[i], batch.lat[i], kws, batch.ts[i])
             else:
-                self.objects.add_event(oid, batch.lon[i], batch.lat[i], kws, at[i])
-            touched.append((batch.lon[i], batch.lat[i], kws))
-        removed |= self.objects.expire(now)
-        return self.refresh(removed, touched)
+                self.add_event(oid, batch.lon[i], batch.lat[i], kws, at[i])
+        self.expire(now)
+        return self.refresh()
 
-    def refresh(self, removed: bool, touched: list[tuple[float, float, frozenset[str]]]
-                ) -> list[KnnSub]:
-        changed = []
-        for sub in self.subs.values():
-            if not removed and not any(sub.accepts(kws) for _, _, kws in touched):
+    def refresh(self) -> list[KnnSub]:
+        """The subscriptions whose local top-k changed since the last refresh, with their new
+        lists: those that lost a member search again; the others take the newly placed objects
+        that are nearer than their k-th."""
+        moved, placed = self._moved, self._placed
+        self._moved, self._placed = set(), set()
+        if not self.subs or not (moved or placed):
+            return []
+        changed: dict[str, KnnSub] = {}
+        again: set[str] = set()
+        left: dict[str, set[tuple[int, str]]] = {}
+        for key in moved:
+            for sid in self.members.get(key, ()):
+                left.setdefault(sid, set()).add(key)
+        for sid, keys in left.items():
+            sub = self.subs.get(sid)
+            if sub is None:
                 continue
-            new = top_k(self.objects, sub)
+            new = self._repair(sub, keys)
+            if new is None:
+                again.add(sid)
+                new = self._search(sub)
             if new != sub.local:
-                sub.local = new
-                changed.append(sub)
-        return changed
+                self._set_local(sub, new)
+                changed[sid] = sub
+        cands = [(key, *held[1:]) for key in placed if (held := self.points.get(key))]
+        if cands:
+            rest = [sub for sid, sub in self.subs.items() if sid not in again]
+            for sub, entering in self._entering(rest, cands):
+                mine = {n[4] for n in sub.local}  # placed before the subscription's search
+                merged = sorted(sub.local + [n for n in entering if n[4] not in mine])[:sub.k]
+                if merged != sub.local:
+                    self._set_local(sub, merged)
+                    changed[sub.id] = sub
+        return list(changed.values())
+
+    def _repair(self, sub: KnnSub, keys: set[tuple[int, str]]) -> list[Neighbor] | None:
+        """The list after some of its members moved or left, without a search when that is
+        certain: every object outside the list is farther than its k-th (ties by id), so
+        members that moved no farther than the k-th are still the k nearest. None when a
+        search is needed (a member left a full list, or moved beyond its k-th)."""
+        full = len(sub.local) >= sub.k
+        kth = sub.local[-1][:2] if sub.local else None
+        out = [n for n in sub.local if n[4] not in keys]
+        for key in keys:
+            held = self.points.get(key)
+            if held is None or (sub.keywords and not sub.accepts(held[3])):
+                if full:
+                    return None
+                continue  # fewer than k: every object it accepts was in the list
+            _, x, y, _kws = held
+            n = (round(float(haversine_m(sub.lon, sub.lat, x, y)), 3), key[1], x, y, key)
+            if full and kth is not None and n[:2] > kth:
+                return None
+            out.append(n)
+        out.sort()
+        return out
+
+    def _entering(self, subs: list[KnnSub],
+                  cands: list[tuple[tuple[int, str], float, float, frozenset[str]]]
+                  ) -> list[tuple[KnnSub, list[Neighbor]]]:
+        """For each of `subs`, the candidates nearer than its k-th (any while it holds fewer
+        than k) that satisfy its keywords: the pairs `Reach` gives, their distances at once."""
+        if not subs:
+            return []
+        lon = np.asarray([c[1] for c in cands], dtype=np.float64)
+        lat = np.asarray([c[2] for c in cands], dtype=np.float64)
+        names, si, ci = self.reach.pairs(lon, lat)
+        if not names:
+            return []
+        wanted = {s.id for s in subs}
+        chosen = [self.subs[n] if n in wanted else None for n in names]
+        slon = np.asarray([s.lon if s else 0.0 for s in chosen], dtype=np.float64)
+        slat = np.asarray([s.lat if s else 0.0 for s in chosen], dtype=np.float64)
+        kth = np.asarray([(s.local[-1][0] if len(s.local) >= s.k else np.inf) if s else -1.0
+                          for s in chosen], dtype=np.float64)
+        d = haversine_m(slon[si], slat[si], lon[ci], lat[ci])
+        hit = np.flatnonzero(d <= kth[si] + 0.001)
+        found: dict[int, list[Neighbor]] = {}
+        for j in hit.tolist():
+            s_ix, c_ix = int(si[j]), int(ci[j])
+            sub = chosen[s_ix]
+            key, x, y, kws = cands[c_ix]
+            if sub is None or (sub.keywords and not sub.accepts(kws)):
+                continue
+            found.setdefault(s_ix, []).append((round(float(d[j]), 3), key[1], x, y, key))
+        return [(chosen_sub, found[i]) for i in sorted(found)
+                if (chosen_sub := chosen[i]) is not None]

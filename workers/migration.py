@@ -145,11 +145,9 @@ class Migration:
         ex.sync_stats()
         for tenant, objs in msg.moving.items():
             state = ex.knn_state(tenant)
-            touched = []
             for oid, lon, lat, kws, ts in objs:
-                state.objects.upsert_moving(oid, lon, lat, frozenset(kws), ts)
-                touched.append((lon, lat, frozenset(kws)))
-            changed = state.refresh(False, touched)
+                state.upsert_moving(oid, lon, lat, frozenset(kws), ts)
+            changed = state.refresh()
             if changed:
                 ex.merge_knn(tenant, changed, pipe)
                 notify.setdefault(tenant, set()).update(s.id for s in changed)
@@ -168,11 +166,10 @@ class Migration:
         taken = set(msg.partitions)
         parts = [p for p in ex.owned() if p.id in taken]
         ex.rebuild_subscriptions(parts, pipe)
-        added = ex.rebuild_positions(parts)
+        ex.rebuild_positions(parts)
         for tenant, state in ex.knn.items():
             for sub in state.subs.values():
                 pipe.hdel(names.knn_key(sub.id), msg.dead)
-            state.refresh(True, added.get(tenant, []))
             if state.subs:
                 ex.merge_knn(tenant, list(state.subs.values()), pipe)
                 notify.setdefault(tenant, set()).update(state.subs)
@@ -239,8 +236,8 @@ class Migration:
             notify: dict[str, set[str]] = {}
             for tenant, ids in leaving:
                 state = ex.knn[tenant]
-                state.objects.drop_moving(ids)
-                changed = state.refresh(True, [])
+                state.drop_moving(ids)
+                changed = state.refresh()
                 if changed:
                     ex.merge_knn(tenant, changed, pipe)
                     notify.setdefault(tenant, set()).update(s.id for s in changed)

@@ -24,10 +24,13 @@ class LiveWindow:
         self.buckets: deque[tuple[int, list[str]]] = deque()
 
     def upsert_moving(self, oid: str, lon: float, lat: float, kws: frozenset[str],
-                      ts: float) -> None:
+                      ts: float) -> bool:
+        """The object's latest record, unless a later one is held; True if it was taken."""
         if self.moving_ts.get(oid, -1.0) <= ts:
             self.moving[oid] = (lon, lat, kws)
             self.moving_ts[oid] = ts
+            return True
+        return False
 
     def remove_moving(self, oid: str, ts: float) -> bool:
         """The object moved to another worker's partition with record `ts`; a newer record
@@ -53,11 +56,15 @@ class LiveWindow:
             out.append((oid, lon, lat, sorted(kws), self.moving_ts[oid]))
         return out
 
-    def drop_moving(self, ids: list[str]) -> None:
-        """Forget handed-off objects (their new owner keeps them from now on)."""
+    def drop_moving(self, ids: list[str]) -> list[str]:
+        """Forget handed-off objects (their new owner keeps them from now on); returns those
+        that were held."""
+        dropped = []
         for oid in ids:
-            self.moving.pop(oid, None)
+            if self.moving.pop(oid, None) is not None:
+                dropped.append(oid)
             self.moving_ts.pop(oid, None)
+        return dropped
 
     def add_event(self, oid: str, lon: float, lat: float, kws: frozenset[str], at: float) -> None:
         b = int(at // self.bucket_s)
@@ -66,13 +73,13 @@ class LiveWindow:
         self.buckets[-1][1].append(oid)
         self.events[oid] = (lon, lat, kws)
 
-    def expire(self, now: float) -> bool:
-        """Drop whole buckets older than the window; True if anything left."""
+    def expire(self, now: float) -> list[str]:
+        """Drop whole buckets older than the window; returns the events that left."""
         horizon = int((now - self.window_s) // self.bucket_s)
-        dropped = False
+        dropped: list[str] = []
         while self.buckets and self.buckets[0][0] < horizon:
             _, ids = self.buckets.popleft()
             for oid in ids:
-                self.events.pop(oid, None)
-            dropped = True
+                if self.events.pop(oid, None) is not None:
+                    dropped.append(oid)
         return dropped

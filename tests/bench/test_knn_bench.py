@@ -1,0 +1,31 @@
+"""The continuous kNN benchmark (bench/knn.py) on a tiny load, through the command line as a
+user runs it: both ways are timed, and the incremental lists equal brute force."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from bench.cluster import ROOT
+from bench.knn import run
+
+pytestmark = pytest.mark.slow
+
+
+def test_tiny_run_is_exact_and_reports_both_ways() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "app.cli", "bench", "knn", "--objects", "3000", "--subs", "300",
+         "--updates", "2000", "--batch", "500"],
+        cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = {line[:30].strip(): line[30:].strip() for line in out.stdout.splitlines()}
+    assert rows["exact on sample"] == "True", out.stdout
+    assert "full rescan: CPU us/update" in out.stdout and "speedup" in out.stdout
+
+
+def test_every_list_is_checked() -> None:
+    r = run(n_objects=2000, n_subs=200, n_updates=1000, batch=250, check_sample=200)
+    assert r["exact_on_sample"] is True
+    assert r["lists_changed_per_update"] > 0  # the updates did move lists

@@ -1,0 +1,271 @@
+"""The spatial index of the objects one worker holds for continuous kNN: points bucketed by
+cell of the global grid, each cell a small numpy array. A k-nearest search visits the occupied
+cells in order of MINDIST, a lower bound of the distance from the query point to anything in
+the cell (AQWA §5's MINDIST scan, CheetahGIS's cell-pruned kNN), and stops at the first cell
+that cannot hold anything nearer than the k-th found: the cost follows the neighbourhood of
+the point, not the number of objects held.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Hashable
+
+import numpy as np
+import numpy.typing as npt
+
+from app.geo.geometry import EARTH_RADIUS_M, haversine_m
+from app.geo.grid import Grid
+
+F64 = npt.NDArray[np.float64]
+# (distance in metres rounded to the millimetre, object id, lon, lat, the point's key): the
+# order of a kNN list, ties broken by id (the same rounding as the lists pushed to subscribers)
+Neighbor = tuple[float, str, float, float, Hashable]
+Accepts = Callable[[frozenset[str]], bool]
+# Slack of the lower bound: float rounding must never make it exceed the true distance.
+_SLACK_M = 1e-3
+
+
+def mindist_m(lon: float, lat: float, x0: F64, y0: F64, x1: F64, y1: F64,
+              cos_min: F64 | None = None) -> F64:
+    """A lower bound of the haversine distance from (lon, lat) to any point of each
+    lon/lat rectangle [x0, x1] x [y0, y1]: each term of the haversine at its smallest over
+    the rectangle (latitude gap; longitude gap, wrapping the antimeridian, times the smallest
+    cosine of the rectangle's latitudes)."""
+    dlat = np.where(lat < y0, y0 - lat, np.where(lat > y1, lat - y1, 0.0))
+    inside = (lon >= x0) & (lon <= x1)
+    dlon = np.where(inside, 0.0, np.minimum((x0 - lon) % 360.0, (lon - x1) % 360.0))
+    dlon = np.minimum(dlon, 180.0)
+    if cos_min is None:
+        cos_min = np.maximum(np.minimum(np.cos(np.radians(y0)), np.cos(np.radians(y1))), 0.0)
+    a = (np.sin(np.radians(dlat) * 0.5) ** 2
+         + math.cos(math.radians(lat)) * cos_min * np.sin(np.radians(dlon) * 0.5) ** 2)
+    d: F64 = 2.0 * EARTH_RADIUS_M * np.arcsin(np.sqrt(np.minimum(a, 1.0)))
+    return np.maximum(d * (1.0 - 1e-9) - _SLACK_M, 0.0)
+
+
+BLOCK = 3  # cells a side of the first block a search looks in
+FIRST_CELLS = 32  # then the cells nearest to the point, before all the others
+
+
+def _escape_m(g: Grid, lon: float, lat: float, xa: int, ya: int, xb: int, yb: int) -> float:
+    """A lower bound of the distance from (lon, lat), inside the block of cells [xa, xb] x
+    [ya, yb], to any point outside it: the latitude gap to its south and north sides, and the
+    distance to the meridians of its west and east sides (sin d = cos(lat) sin(dlon), the
+    nearest a point at that longitude can be). A side on the grid's edge has nothing beyond it
+    (points beyond the bounds are clipped into the edge cells), except the antimeridian of a
+    grid around the whole world: the bound is 0 there, and the search scans every cell."""
+    x0 = g.bounds[0] + xa * g.cell_width
+    x1 = g.bounds[0] + (xb + 1) * g.cell_width
+    y0 = g.bounds[1] + ya * g.cell_height
+    y1 = g.bounds[1] + (yb + 1) * g.cell_height
+    gaps = []
+    if ya > 0:
+        gaps.append(math.radians(lat - y0))
+    if yb < g.ny - 1:
+        gaps.append(math.radians(y1 - lat))
+    around = g.bounds[2] - g.bounds[0] >= 360.0
+    if around and (xa == 0 or xb == g.nx - 1):
+        return 0.0
+    cos_lat = math.cos(math.radians(lat))
+    for dlon in ((lon - x0) if xa > 0 else math.inf, (x1 - lon) if xb < g.nx - 1 else math.inf):
+        if dlon == math.inf:
+            continue
+        gaps.append(math.asin(min(1.0, cos_lat * math.sin(math.radians(min(dlon, 90.0))))))
+    if not gaps:
+        return math.inf
+    return max(0.0, EARTH_RADIUS_M * min(gaps) * (1.0 - 1e-9) - _SLACK_M)
+
+
+class _Cell:
+    """The points of one cell: slots in growing arrays, freed slots reused (NaN while free)."""
+
+    __slots__ = ("free", "ids", "keys", "kws", "lat", "lon", "slot")
+
+    def __init__(self) -> None:
+        self.ids: list[str] = []
+        self.keys: list[Hashable] = []
+        self.kws: list[frozenset[str]] = []
+        self.lon: F64 = np.full(4, np.nan)
+        self.lat: F64 = np.full(4, np.nan)
+        self.slot: dict[Hashable, int] = {}
+        self.free: list[int] = []
+
+    def __len__(self) -> int:
+        return len(self.slot)
+
+    def add(self, key: Hashable, oid: str, lon: float, lat: float, kws: frozenset[str]) -> None:
+        if self.free:
+            i = self.free.pop()
+            self.ids[i], self.keys[i], self.kws[i] = oid, key, kws
+        else:
+            i = len(self.ids)
+            if i == len(self.lon):
+                self.lon = np.concatenate([self.lon, np.full(i, np.nan)])
+                self.lat = np.concatenate([self.lat, np.full(i, np.nan)])
+            self.ids.append(oid)
+            self.keys.append(key)
+            self.kws.append(kws)
+        self.lon[i], self.lat[i] = lon, lat
+        self.slot[key] = i
+
+    def remove(self, key: Hashable) -> None:
+        i = self.slot.pop(key)
+        self.lon[i] = self.lat[i] = np.nan
+        self.kws[i] = frozenset()
+        self.free.append(i)
+
+
+class PointIndex:
+    """Points by key (an object of a kind: a moving object and an event may share an id)."""
+
+    def __init__(self, grid: Grid) -> None:
+        self.grid = grid
+        self.cells: dict[int, _Cell] = {}
+        self.where: dict[Hashable, tuple[int, float, float, frozenset[str]]] = {}
+        # occupied cells: ids, rectangles, the smallest cosine of each one's latitudes
+        self._occupied: tuple[npt.NDArray[np.int64], F64, F64, F64, F64, F64] | None = None
+
+    def __len__(self) -> int:
+        return len(self.where)
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self.where
+
+    def get(self, key: Hashable) -> tuple[int, float, float, frozenset[str]] | None:
+        return self.where.get(key)
+
+    def _cell_of(self, lon: float, lat: float) -> int:
+        g = self.grid
+        cx = min(max(math.floor((lon - g.bounds[0]) / g.cell_width), 0), g.nx - 1)
+        cy = min(max(math.floor((lat - g.bounds[1]) / g.cell_height), 0), g.ny - 1)
+        return int(cy * g.nx + cx)
+
+    def add(self, key: Hashable, oid: str, lon: float, lat: float, kws: frozenset[str]) -> None:
+        """Insert or move the point of `key`."""
+        self.remove(key)
+        cid = self._cell_of(lon, lat)
+        cell = self.cells.get(cid)
+        if cell is None:
+            cell = self.cells[cid] = _Cell()
+            self._occupied = None
+        cell.add(key, oid, lon, lat, kws)
+        self.where[key] = (cid, lon, lat, kws)
+
+    def remove(self, key: Hashable) -> bool:
+        held = self.where.pop(key, None)
+        if held is None:
+            return False
+        cell = self.cells[held[0]]
+        cell.remove(key)
+        if not len(cell):
+            del self.cells[held[0]]
+            self._occupied = None
+        return True
+
+    def _cells(self) -> tuple[npt.NDArray[np.int64], F64, F64, F64, F64, F64]:
+        if self._occupied is None:
+            g = self.grid
+            cid = np.fromiter(self.cells, dtype=np.int64, count=len(self.cells))
+            cx, cy = cid % g.nx, cid // g.nx
+            x0: F64 = (g.bounds[0] + cx * g.cell_width).astype(np.float64)
+            y0: F64 = (g.bounds[1] + cy * g.cell_height).astype(np.float64)
+            x1, y1 = x0 + g.cell_width, y0 + g.cell_height
+            # edge cells also hold the points beyond the bounds, clipped into them
+            x0[cx == 0], x1[cx == g.nx - 1] = -180.0, 180.0
+            y0[cy == 0], y1[cy == g.ny - 1] = -90.0, 90.0
+            cos_min = np.maximum(np.minimum(np.cos(np.radians(y0)), np.cos(np.radians(y1))),
+                                 0.0)
+            occupied = (cid, x0, y0, x1, y1, cos_min)
+            self._occupied = occupied
+            return occupied
+        return self._occupied
+
+    def nearest(self, lon: float, lat: float, k: int, accepts: Accepts | None = None
+                ) -> list[Neighbor]:
+        """The k points nearest to (lon, lat) that `accepts` takes (all without it), ordered
+        by (distance rounded to the millimetre, id)."""
+        if k <= 0 or not self.where:
+            return []
+        near = self._nearest_in_block(lon, lat, k, accepts)
+        if near is not None:
+            return near
+        cid, x0, y0, x1, y1, cos_min = self._cells()
+        bound = mindist_m(lon, lat, x0, y0, x1, y1, cos_min)
+        best: list[Neighbor] = []
+        # The nearest cells first (a partial sort); the rest only when they can matter.
+        m = min(FIRST_CELLS, len(bound))
+        first = np.argpartition(bound, m - 1)[:m] if m < len(bound) else np.arange(m)
+        first = first[np.argsort(bound[first], kind="stable")]
+        self._scan(lon, lat, k, accepts, cid, bound, first, best)
+        if m < len(bound) and (len(best) < k or float(bound[first[-1]]) <= best[-1][0]
+                               + _SLACK_M):
+            rest = np.ones(len(bound), dtype=bool)
+            rest[first] = False
+            others = np.flatnonzero(rest)
+            others = others[np.argsort(bound[others], kind="stable")]
+            self._scan(lon, lat, k, accepts, cid, bound, others, best)
+        best.sort()
+        return best
+
+    def _scan(self, lon: float, lat: float, k: int, accepts: Accepts | None,
+              cid: npt.NDArray[np.int64], bound: F64, order: npt.NDArray[np.intp],
+              best: list[Neighbor]) -> None:
+        """Visit cells in `order` (by bound), keeping the k best in `best`, until the next
+        cell's bound is beyond the k-th found."""
+        for j in order.tolist():
+            if len(best) >= k and bound[j] > best[-1][0] + _SLACK_M:
+                break
+            cell = self.cells[int(cid[j])]
+            n = len(cell.ids)
+            d = haversine_m(lon, lat, cell.lon[:n], cell.lat[:n])
+            limit = best[-1][0] + _SLACK_M if len(best) >= k else math.inf
+            for i in np.flatnonzero(d <= limit).tolist():
+                if accepts is not None and not accepts(cell.kws[i]):
+                    continue
+                best.append((round(float(d[i]), 3), cell.ids[i], float(cell.lon[i]),
+                             float(cell.lat[i]), cell.keys[i]))
+            if len(best) > k:
+                best.sort()
+                del best[k:]
+            elif len(best) == k:
+                best.sort()
+
+    def _nearest_in_block(self, lon: float, lat: float, k: int, accepts: Accepts | None
+                          ) -> list[Neighbor] | None:
+        """The answer from the block of BLOCK x BLOCK cells around the point, when it holds k
+        points nearer than anything outside the block can be; None otherwise."""
+        g = self.grid
+        cx = min(max(math.floor((lon - g.bounds[0]) / g.cell_width), 0), g.nx - 1)
+        cy = min(max(math.floor((lat - g.bounds[1]) / g.cell_height), 0), g.ny - 1)
+        r = BLOCK // 2
+        xa, xb = max(cx - r, 0), min(cx + r, g.nx - 1)
+        ya, yb = max(cy - r, 0), min(cy + r, g.ny - 1)
+        cells = [c for y in range(ya, yb + 1) for x in range(xa, xb + 1)
+                 if (c := self.cells.get(y * g.nx + x)) is not None]
+        if sum(len(c) for c in cells) < k:
+            return None
+        best: list[Neighbor] = []
+        for cell in cells:
+            n = len(cell.ids)
+            d = haversine_m(lon, lat, cell.lon[:n], cell.lat[:n])
+            for i in np.flatnonzero(~np.isnan(d)).tolist():
+                if accepts is None or accepts(cell.kws[i]):
+                    best.append((round(float(d[i]), 3), cell.ids[i], float(cell.lon[i]),
+                                 float(cell.lat[i]), cell.keys[i]))
+        if len(best) < k:
+            return None
+        best.sort()
+        del best[k:]
+        if best[-1][0] + _SLACK_M >= _escape_m(g, lon, lat, xa, ya, xb, yb):
+            return None  # something outside the block could be nearer
+        return best
+
+    def points(self) -> list[tuple[Hashable, str, float, float, frozenset[str]]]:
+        """Every point as (key, id, lon, lat, keywords) (tests, brute force)."""
+        out = []
+        for cell in self.cells.values():
+            for key, i in cell.slot.items():
+                out.append((key, cell.ids[i], float(cell.lon[i]), float(cell.lat[i]),
+                            cell.kws[i]))
+        return out
