@@ -66,6 +66,7 @@ end
 return out
 """
 HISTORY_CHUNK = 4096  # history entries per script call (bounds the time Redis is busy)
+COUNTS_REPORT_S = 0.05  # how often the per-cell counts are written when they changed
 MAINTENANCE_S = 5.0  # trimming, expiry and the replay of entries left pending
 TOMBSTONE_S = 6 * 3600.0  # how long a deleted subscription id is remembered (late sub+ copies)
 
@@ -101,6 +102,10 @@ class Executor:
         self.records = RecordWindow(settings.window_s, settings.bucket_s)
         self.pending_records: list[wire.ObjectBatch] = []
         self.pending_queries: list[tuple[wire.QueryPart, int]] = []
+        # Per-cell counts of the window, reported for count queries (`_report_counts`): the
+        # last entry of our stream whose records they include.
+        self.processed_id: bytes | None = None
+        self.reported: tuple[bytes | None, float] = (None, 0.0)
         # SWARM load balancing (§4.2-§5).
         self.cmd_stream = names.command_stream(worker_id)
         self.replicated = settings.partitioning == "replicated"
@@ -139,6 +144,7 @@ class Executor:
         self.rebuild_subscriptions()
         self._rebuild_window()
         self._recover_pending(after_crash=True)
+        self._processed_at_start()
         self.to_adopt = [m.decode() for m in self.redis.smembers(names.adopted_key(self.id))]
         log.info("worker %s ready (pid %d, fence epoch %d)", self.id, os.getpid(), self.epoch)
         while not self.stopping:
@@ -148,6 +154,7 @@ class Executor:
                     # says which records are ours.
                     self._rebuild_window()
                     self._recover_pending()
+                    self._processed_at_start()
                     # adoptions start again: their pending entries are replayed the same way
                     self.to_adopt.extend(self.adoptions)
                     self.adoptions.clear()
@@ -265,8 +272,12 @@ class Executor:
 
     def _rebuild_window(self) -> None:
         """The records of the live window from the window log (see `workers.records`)."""
+        assert self.index is not None
         self.records = load_window(self.redis, self.window_stream, self.settings.window_s,
-                                   self.settings.bucket_s, f"worker {self.id}")
+                                   self.settings.bucket_s, f"worker {self.id}", self.index.grid)
+        # counts written before are replaced by the rebuilt window's (see _report_counts)
+        self.redis.delete(names.cell_counts_key(self.id))
+        self.processed_id = None
         log.info("worker %s rebuilt its window: %d records", self.id, len(self.records))
 
     def knn_state(self, tenant: str) -> KnnState:
@@ -339,7 +350,12 @@ class Executor:
         # one sees them after the current batch, not behind its whole backlog.
         streams = {self.stream: ">", self.cmd_stream: ">",
                    **{a.stream: ">" for a in self.adoptions.values()}}
-        reply = self.redis.xreadgroup(names.GROUP, self.id, streams, count=256, block=1000)
+        # A report of the counts that is due does not wait behind an idle stream.
+        block = 1000
+        if self.records.changed or self.processed_id != self.reported[0]:
+            wait = COUNTS_REPORT_S - (time.time() - self.reported[1])
+            block = max(1, min(block, int(wait * 1000) + 1))
+        reply = self.redis.xreadgroup(names.GROUP, self.id, streams, count=256, block=block)
         # Commands first: entries read in the same call that a move made stale are then
         # forwarded (either order is correct; this one never delays a command behind a batch).
         by_stream = {(s.decode() if isinstance(s, bytes) else s): e for s, e in reply or []}
@@ -351,6 +367,8 @@ class Executor:
             if by_stream.get(adoption.stream):
                 self._adopted(adoption, by_stream[adoption.stream])
         now = time.time()
+        if now - self.reported[1] >= COUNTS_REPORT_S:
+            self._report_counts(now)
         if now - self.last_trim > MAINTENANCE_S:
             self.last_trim = now
             # Nothing of ours is pending between steps; anything that is (a step cut short, a
@@ -364,6 +382,40 @@ class Executor:
                     adoption.records.expire(now)
                 else:
                     self._end_adoption(adoption, "its worker is back")
+
+    # --- per-cell counts (CheetahGIS: count queries answered from metadata) ---------------
+    def _processed_at_start(self) -> None:
+        """After the rebuild and the replay, the window holds the records of every entry
+        delivered so far: they count up to the group's last delivered entry."""
+        groups = self.redis.xinfo_groups(self.stream)
+        last = next((g["last-delivered-id"] for g in groups
+                     if g["name"] in (names.GROUP, names.GROUP.encode())), None)
+        if last and not self._pending_count():
+            self.processed_id = last if isinstance(last, bytes) else str(last).encode()
+
+    def _report_counts(self, now: float) -> None:
+        """Write the per-cell counts of the tenants whose records changed, and the entry up
+        to which they count, in one transaction (never while entries wait for a replay: the
+        counts would then miss records of entries before the one named)."""
+        changed = self.records.changed
+        if self.processed_id is None or self.must_recover or (
+                not changed and self.processed_id == self.reported[0]):
+            self.reported = (self.reported[0], now)
+            return
+        key = names.cell_counts_key(self.id)
+        pipe = self.redis.pipeline(transaction=True)
+        for tenant in sorted(changed):
+            held = self.records.tenants.get(tenant)
+            if held is None or not held.cell_counts:
+                pipe.hdel(key, tenant)
+                continue
+            pipe.hset(key, tenant, wire.encode_cell_counts(wire.CellCounts(buckets=[
+                (b, list(cells), list(cells.values())) for b, cells in
+                sorted(held.cell_counts.items())])))
+        pipe.hset(key, names.CELL_COUNTS_UPTO, self.processed_id)
+        pipe.execute()
+        self.records.changed = set()
+        self.reported = (self.processed_id, now)
 
     # --- failover (workers.failover) -----------------------------------------------------
     def _adopt(self) -> None:
@@ -512,6 +564,10 @@ class Executor:
         self._keep_records()
         self.notify(writes, [results[i] for i in slots], notify)
         self.redis.xack(self.stream, names.GROUP, *ids)
+        last = max(ids, key=cluster.entry_order) if ids else None
+        if last is not None and (self.processed_id is None or cluster.entry_order(last)
+                                 > cluster.entry_order(self.processed_id)):
+            self.processed_id = last
 
     def _keep_records(self) -> None:
         """After the commit: the entries' records join the window, and each query is answered
@@ -536,7 +592,7 @@ class Executor:
         if time.time() > part.deadline:
             return  # the api has given up on it
         try:
-            reply = evaluate(records, part, worker)
+            reply = evaluate(records, part, worker, self.records.grid)
         except Exception as exc:  # a query must not take the worker down
             log.exception("worker %s: snapshot query failed", self.id)
             reply = wire.QueryReply(worker=self.id, error=f"{type(exc).__name__}: {exc}")

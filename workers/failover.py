@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import redis
 
+from app.geo.grid import Grid
 from app.geo.index import Partition, Plan
 from app.pipeline import names, wire
 from app.pipeline.control import history_entry
@@ -146,11 +147,12 @@ def fence_lost(client: Any, worker: str, epoch: int, exc: redis.WatchError) -> F
     return Fenced(f"the stream of {worker} is fenced (epoch {current}, ours {epoch})")
 
 
-def load_window(client: Any, stream: str, window_s: float, bucket_s: float, who: str
-                ) -> RecordWindow:
-    """The records of the live window read back from a worker's window log."""
+def load_window(client: Any, stream: str, window_s: float, bucket_s: float, who: str,
+                grid: Grid | None = None) -> RecordWindow:
+    """The records of the live window read back from a worker's window log (counted per cell
+    of `grid` when given)."""
     now = time.time()
-    window = RecordWindow(window_s, bucket_s)
+    window = RecordWindow(window_s, bucket_s, grid)
     start = f"{int(window.horizon(now) * bucket_s * 1000)}-0"
     while True:
         rows = client.xrange(stream, min=start, count=1000)

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from app.geo.geometry import bbox_contains
+from app.geo.grid import Grid
 from app.pipeline.wire import ObjectBatch
 
 F64 = np.ndarray[Any, np.dtype[np.float64]]
@@ -117,6 +118,16 @@ class TenantRecords:
     chunks: deque[Chunk] = field(default_factory=deque)
     by_object: dict[str, deque[tuple[float, float]]] = field(default_factory=dict)
     size: int = 0
+    # bucket -> global grid cell -> records (CheetahGIS's per-cell counts; `CellCounts`)
+    cell_counts: dict[int, dict[int, int]] = field(default_factory=dict)
+
+    def count_cells(self, chunk: Chunk, grid: Grid) -> None:
+        cx, cy = grid.cells_of(chunk.lon, chunk.lat)
+        cells, counts = np.unique(grid.cell_id(cx.astype(np.int64), cy.astype(np.int64)),
+                                  return_counts=True)
+        held = self.cell_counts.setdefault(chunk.bucket, {})
+        for c, n in zip(cells.tolist(), counts.tolist(), strict=True):
+            held[c] = held.get(c, 0) + n
 
     def add(self, chunk: Chunk) -> None:
         self.chunks.append(chunk)
@@ -153,6 +164,8 @@ class TenantRecords:
 
     def expire(self, horizon: int) -> None:
         """Drop the chunks of buckets before `horizon`."""
+        for bucket in [b for b in self.cell_counts if b < horizon]:
+            del self.cell_counts[bucket]
         while self.chunks and self.chunks[0].bucket < horizon:
             chunk = self.chunks.popleft()
             self.size -= len(chunk.batch)
@@ -178,12 +191,15 @@ class TenantRecords:
 
 
 class RecordWindow:
-    """Every tenant's records on this worker."""
+    """Every tenant's records on this worker; with `grid`, also their number per bucket and
+    cell of that grid (the counts the api answers whole cells of a count query from)."""
 
-    def __init__(self, window_s: float, bucket_s: float) -> None:
+    def __init__(self, window_s: float, bucket_s: float, grid: Grid | None = None) -> None:
         self.window_s = window_s
         self.bucket_s = bucket_s
+        self.grid = grid
         self.tenants: dict[str, TenantRecords] = {}
+        self.changed: set[str] = set()  # tenants whose counts changed since `changed` was read
 
     def __len__(self) -> int:
         return sum(t.size for t in self.tenants.values())
@@ -204,11 +220,16 @@ class RecordWindow:
         if records is None:
             records = self.tenants[batch.tenant] = TenantRecords()
         records.add(chunk)
+        if self.grid is not None:
+            records.count_cells(chunk, self.grid)
+            self.changed.add(batch.tenant)
 
     def expire(self, now: float) -> None:
         """Drop what left the window, and merge small chunks."""
         horizon = self.horizon(now)
-        for records in self.tenants.values():
+        for tenant, records in self.tenants.items():
+            if records.cell_counts and min(records.cell_counts) < horizon:
+                self.changed.add(tenant)
             records.expire(horizon)
             records.compact()
         for tenant in [t for t, r in self.tenants.items() if not r.size]:

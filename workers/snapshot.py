@@ -19,16 +19,24 @@ from typing import Any
 import numpy as np
 
 from app.geo.geometry import bbox_contains, circle_bbox, haversine_m
+from app.geo.grid import Grid
 from app.pipeline import wire
 from workers.records import Chunk, TenantRecords
 
 Row = tuple[Chunk, int]
 
 
-def evaluate(records: TenantRecords | None, part: wire.QueryPart, worker: str
-             ) -> wire.QueryReply:
-    """The reply of this worker to `part`."""
+def evaluate(records: TenantRecords | None, part: wire.QueryPart, worker: str,
+             grid: Grid | None = None) -> wire.QueryReply:
+    """The reply of this worker to `part` (`grid`: the global grid, for `skip_cells`)."""
     q = part.query
+    if q.skip_cells is not None:
+        if grid is None:
+            raise ValueError("a count that skips cells needs the global grid")
+        return wire.QueryReply(worker=worker, count=sum(
+            int(np.count_nonzero(~_in_cells(grid, q.skip_cells, chunk.lon[rows],
+                                             chunk.lat[rows])))
+            for chunk, rows in _region_rows(records, part)))
     if part.latest_of is not None:
         latest: dict[str, float] = {}
         if records is not None:
@@ -59,6 +67,11 @@ def evaluate(records: TenantRecords | None, part: wire.QueryPart, worker: str
             terms.update(chunk.batch.keywords[i])
     reply.terms = dict(terms)
     return reply
+
+
+def _in_cells(grid: Grid, cells: tuple[int, int, int, int], lon: Any, lat: Any) -> Any:
+    cx, cy = grid.cells_of(lon, lat)
+    return (cx >= cells[0]) & (cx <= cells[2]) & (cy >= cells[1]) & (cy <= cells[3])
 
 
 def _newest_first(row: Row) -> tuple[float, str, float]:

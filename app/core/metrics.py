@@ -25,6 +25,9 @@ WS_CONNECTIONS = Gauge("geoswarm_ws_connections", "Open WebSocket connections")
 WS_MESSAGES = Counter("geoswarm_ws_messages_total", "Messages sent to WebSocket clients",
                       ["path"])
 WS_CLOSED = Counter("geoswarm_ws_closed_total", "WebSockets closed by the server", ["code"])
+COUNT_QUERIES = Counter("geoswarm_count_queries_total",
+                        "Count queries, by how whole cells were counted: from the workers' "
+                        "per-cell counts (metadata) or by the workers", ["path"])
 QUOTA_REFUSED = Counter("geoswarm_quota_refused_total", "Requests refused by a tenant quota",
                         ["quota"])
 

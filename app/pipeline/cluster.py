@@ -70,3 +70,10 @@ def live_workers(heartbeats: Iterable[tuple[bytes | str, bytes | str]], now: flo
     """The ids of the workers whose heartbeat is fresh, sorted (from HGETALL WORKERS_KEY)."""
     return sorted((w.decode() if isinstance(w, bytes) else w) for w, raw in heartbeats
                   if heartbeat_fresh(raw, now, dead_after_s))
+
+
+def entry_order(eid: bytes | str) -> tuple[int, int]:
+    """A stream entry id as a comparable (milliseconds, sequence)."""
+    text = eid.decode() if isinstance(eid, bytes) else eid
+    ms, _, seq = text.partition("-")
+    return int(ms), int(seq or 0)

@@ -133,6 +133,16 @@ def window_stream(worker: str) -> str:
     return f"gs:win:{worker}"
 
 
+def cell_counts_key(worker: str) -> str:
+    """Hash: tenant -> `wire.CellCounts` of the records a worker holds, and field
+    `CELL_COUNTS_UPTO`: the id of its stream's entry up to which (included) they count every
+    record. The api answers the whole cells of a count query from them."""
+    return f"gs:cells:{worker}"
+
+
+CELL_COUNTS_UPTO = "@"
+
+
 def query_reply_key(token: str) -> str:
     """List: the workers' `wire.QueryReply` to one round of a snapshot query."""
     return f"gs:qr:{token}"

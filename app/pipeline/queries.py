@@ -27,19 +27,24 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import msgspec
+import numpy as np
 import orjson
 import redis.asyncio as aioredis
 
 from app.core.config import Settings
+from app.core.metrics import COUNT_QUERIES
+from app.geo.grid import Grid
 from app.geo.index import GlobalIndex, Plan
 from app.pipeline import names, wire
-from app.pipeline.cluster import heartbeat_fresh
+from app.pipeline.cluster import entry_order, heartbeat_fresh
 from app.pipeline.records import public_record
 from app.pipeline.router import Router
 
 log = logging.getLogger(__name__)
 
 QUERY_TTL_S = 3600  # how long a finished query's answer can be read
+COUNTS_WAIT_S = 1.0  # how long a count waits for the per-cell counts to catch up
 MAX_ROUNDS = 8  # per-worker limit x4 each round: enough for any limit up to 10 000 x 4^7
 
 
@@ -177,6 +182,12 @@ class QueryService:
         everyone = (await self.targets(index, wire.SnapshotQuery(type="keyword"), as_of)
                     if query.latest else [])
         run = _Run(self, tenant, query, as_of, deadline, everyone)
+        if query.type == "count":
+            counted = await self.count_from_metadata(tenant, query, index, targets, run)
+            COUNT_QUERIES.labels("workers" if counted is None else "metadata").inc()
+            if counted is not None:
+                return {"results": [{"count": counted}], "sources": {"live": counted},
+                        "truncated": False}
         if query.type in ("count", "topk_terms"):
             replies = await run.round(targets, 0)
             verified = await run.verified(replies)
@@ -206,6 +217,68 @@ class QueryService:
             per_worker *= 4
         raise QueryFailed(f"no exact answer after {MAX_ROUNDS} rounds (too many records of "
                           "moving objects superseded by later ones); narrow the query")
+
+    async def count_from_metadata(self, tenant: str, query: wire.SnapshotQuery,
+                                  index: GlobalIndex, targets: list[str], run: _Run
+                                  ) -> int | None:
+        """A count over a bbox with whole cells inside, answered from the workers' per-cell
+        counts for those cells and by the workers for the cells the bbox cuts (CheetahGIS).
+        The counts are used once each worker's include every entry its stream held when the
+        query started (so they see every object accepted before it); None when they do not
+        apply (a time range, keywords, `latest`, a failed-over worker) or do not catch up
+        within COUNTS_WAIT_S: the workers count everything then."""
+        if (query.bbox is None or query.keywords or query.latest or query.t_from is not None
+                or query.t_to is not None or self.router.replicated or not targets):
+            return None
+        cells = whole_cells(index.grid, query.bbox)
+        if cells is None:
+            return None
+        redis = self.redis
+        pipe = redis.pipeline(transaction=False)
+        for w in targets:
+            pipe.get(names.adopter_key(w))
+        for w in targets:
+            pipe.xrevrange(names.worker_stream(w), count=1)
+        got = await pipe.execute()
+        if any(a is not None for a in got[:len(targets)]):
+            log.info("a failed-over worker among %s: the workers count", targets)
+            return None
+        tails = [entry_order(rows[0][0]) if rows else (0, 0) for rows in got[len(targets):]]
+        give_up = time.monotonic() + COUNTS_WAIT_S
+        while True:
+            pipe = redis.pipeline(transaction=False)
+            for w in targets:
+                pipe.hget(names.cell_counts_key(w), names.CELL_COUNTS_UPTO)
+            upto = await pipe.execute()
+            if all(u is not None and entry_order(u) >= tail
+                   for u, tail in zip(upto, tails, strict=True)):
+                break
+            if time.monotonic() > give_up:
+                log.warning("per-cell counts behind their streams after %g s (%s at %s, "
+                            "tails %s): the workers count", COUNTS_WAIT_S, targets, upto, tails)
+                return None
+            await asyncio.sleep(0.005)
+        # written after the marks just read: they count at least as far
+        pipe = redis.pipeline(transaction=False)
+        for w in targets:
+            pipe.hget(names.cell_counts_key(w), tenant)
+        held = await pipe.execute()
+        horizon = int((run.as_of - self.settings.window_s) // self.settings.bucket_s)
+        total = 0
+        for raw in held:
+            if raw is None:
+                continue
+            for bucket, ids, counts in wire.decode_cell_counts(raw).buckets:
+                if bucket < horizon or not ids:
+                    continue
+                cid = np.asarray(ids, dtype=np.int64)
+                cx, cy = cid % index.grid.nx, cid // index.grid.nx
+                inside = ((cx >= cells[0]) & (cx <= cells[2]) & (cy >= cells[1])
+                          & (cy <= cells[3]))
+                total += int(np.asarray(counts, dtype=np.int64)[inside].sum())
+        border = _Run(self, tenant, msgspec.structs.replace(query, skip_cells=cells),
+                      run.as_of, run.deadline, [])
+        return total + sum(r.count for r in await border.round(targets, 0))
 
     async def targets(self, index: GlobalIndex, query: wire.SnapshotQuery, now: float
                       ) -> list[str]:
@@ -259,6 +332,19 @@ class QueryService:
         if len(self._history) > 2 * names.PLAN_HISTORY_MAX:
             for version in sorted(self._history)[:-names.PLAN_HISTORY_MAX]:
                 del self._history[version]
+
+
+def whole_cells(grid: Grid, bbox: tuple[float, float, float, float]
+                ) -> tuple[int, int, int, int] | None:
+    """The cells (x0, y0, x1, y1) of `grid` every point of which lies inside `bbox`, by the
+    same arithmetic that assigns points to cells: those strictly between the cells of the
+    bbox's corners (a point in a cell after the cell of min_lon has a greater longitude, as
+    division and floor are monotonic). None when there are none."""
+    cx, cy = grid.cells_of([bbox[0], bbox[2]], [bbox[1], bbox[3]])
+    x0, x1, y0, y1 = int(cx[0]) + 1, int(cx[1]) - 1, int(cy[0]) + 1, int(cy[1]) - 1
+    if x0 > x1 or y0 > y1:
+        return None
+    return x0, y0, x1, y1
 
 
 class _Run:

@@ -160,6 +160,9 @@ class SnapshotQuery(msgspec.Struct, kw_only=True, omit_defaults=True):
     t_to: float | None = None
     latest: bool = False
     limit: int = 1000
+    # count: leave out the records in these cells of the global grid (x0, y0, x1, y1),
+    # counted from the per-cell counts instead
+    skip_cells: tuple[int, int, int, int] | None = None
 
 
 class QueryPart(msgspec.Struct, tag="q", tag_field="t", kw_only=True):
@@ -210,6 +213,25 @@ class QueryReply(msgspec.Struct, kw_only=True, omit_defaults=True):
     terms: dict[str, int] = {}
     latest: dict[str, float] = {}
     error: str | None = None
+
+
+class CellCounts(msgspec.Struct, array_like=True):
+    """A worker's number of records of one tenant per arrival bucket and global grid cell
+    (CheetahGIS's per-cell counts, in `names.cell_counts_key`): per bucket, its cell ids and
+    their counts."""
+
+    buckets: list[tuple[int, list[int], list[int]]]
+
+
+_counts_decoder = msgspec.msgpack.Decoder(CellCounts)
+
+
+def encode_cell_counts(counts: CellCounts) -> bytes:
+    return _entry_encoder.encode(counts)
+
+
+def decode_cell_counts(data: bytes) -> CellCounts:
+    return _counts_decoder.decode(data)
 
 
 _reply_decoder = msgspec.msgpack.Decoder(QueryReply)

@@ -17,8 +17,10 @@ from typing import Any
 
 import httpx
 import pytest
+import redis
 
 from app.geo.geometry import haversine_m
+from app.pipeline import names
 from tests.conftest import LiveServer, auth, start_server
 from tests.workers.test_balancing import command, owner, plan_of
 from tests.workers.test_pipeline import WORDS
@@ -240,3 +242,67 @@ def test_a_worker_stopped_mid_query_fails_it_with_503(cluster: LiveServer) -> No
         assert "w1" in r.json()["detail"]
         r = query(client, key, {"type": "count", "bbox": [-2, -1, 2, 1]})
         assert r.status_code == 200, r.text
+
+
+def _metadata_counts(client: httpx.Client) -> float:
+    for line in client.get("/metrics").text.splitlines():
+        if line.startswith('geoswarm_count_queries_total{path="metadata"}'):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_counts_of_whole_cells_come_from_the_workers_counts(cluster: LiveServer) -> None:
+    """Counts over boxes holding whole grid cells are answered from the workers' per-cell
+    counts (the cells the box cuts by the workers): exact against the oracle, right after
+    publishing, after a worker restart (counts rebuilt from its window log) and after a
+    partition moved (the previous owner's counts still count)."""
+    rng = random.Random(23)
+    key = cluster.new_key()
+    data, clock = Records(), [T0]
+
+    def check(n: int) -> None:
+        before = _metadata_counts(client)
+        for _ in range(n):
+            x, y = rng.uniform(-2.5, 0.5), rng.uniform(-1.2, 0.2)
+            q = {"type": "count", "bbox": [x, y, x + rng.uniform(1.0, 3.5),
+                                           y + rng.uniform(0.5, 1.5)]}
+            r = query(client, key, q)
+            assert r.status_code == 200, r.text
+            assert r.json()["results"] == data.answer(q), q
+        assert _metadata_counts(client) - before == n  # every one of them from the counts
+
+    with httpx.Client(base_url=cluster.base_url, timeout=60) as client:
+        for _ in range(4):
+            publish(client, key, data, random_objects(rng, 400, clock))
+        check(15)
+        # a box over every record: its whole cells from the counts, its edges by the workers
+        r = query(client, key, {"type": "count", "bbox": [-180, -90, 180, 90]})
+        assert r.json()["results"] == [{"count": len(data.rows)}]
+
+        cluster.kill("w0")
+        # its counts are back once it has read its window back (a count before that is
+        # counted by the workers, exactly too)
+        store = redis.Redis.from_url(cluster.redis_url)
+        store.delete(names.cell_counts_key("w0"))  # the counts of the process just killed
+        cluster.start_worker("w0")
+        cluster.wait_workers(2)
+        deadline = time.monotonic() + 30
+        while store.hget(names.cell_counts_key("w0"), names.CELL_COUNTS_UPTO) is None:
+            assert time.monotonic() < deadline, "w0 never reported its counts"
+            time.sleep(0.05)
+        store.close()
+        publish(client, key, data, random_objects(rng, 200, clock))
+        check(10)
+
+        plan = plan_of(cluster)
+        pid, w = owner(plan, 1.0, 0.0)
+        other = "w1" if w == "w0" else "w0"
+        reply = command(cluster, w, {"t": "move", "partitions": [pid], "to": other})
+        assert reply is not None and reply["ok"], reply
+        publish(client, key, data, random_objects(rng, 300, clock))
+        check(10)
+        # with keywords (or latest, or a time range) the workers count everything
+        q = {"type": "count", "bbox": [-2, -1, 2, 1], "keywords": [WORDS[0]]}
+        before = _metadata_counts(client)
+        assert query(client, key, q).json()["results"] == data.answer(q)
+        assert _metadata_counts(client) == before
