@@ -65,11 +65,12 @@ class Chunk:
     cells: I64  # the coarse cell of each row in that order
     _last_row: dict[tuple[str, float], int] | None = None
 
-    def rows_in(self, bbox: tuple[float, float, float, float]) -> I64:
+    def rows_in(self, bbox: tuple[float, float, float, float], slices: bool = False) -> I64:
         """Rows (indices) including every row inside a bbox: those of the coarse cells it
-        covers, or those inside it."""
+        covers, or those inside it. `slices`: by the cells however many rows of cells it
+        covers (a thin, tall box)."""
         x0, y0, x1, y1 = cell_range(bbox)
-        if y1 - y0 >= MAX_CELL_ROWS or self.order.size < INDEXED_ROWS:
+        if (y1 - y0 >= MAX_CELL_ROWS and not slices) or self.order.size < INDEXED_ROWS:
             return np.flatnonzero(bbox_contains(bbox, self.lon, self.lat))
         ys = np.arange(y0, y1 + 1, dtype=np.int64) * NX
         starts = np.searchsorted(self.cells, ys + x0, side="left")

@@ -21,7 +21,7 @@ import numpy as np
 from app.geo.geometry import bbox_contains, circle_bbox, haversine_m
 from app.geo.grid import Grid
 from app.pipeline import wire
-from workers.records import Chunk, TenantRecords
+from workers.records import CELL_DEG, Chunk, TenantRecords
 
 Row = tuple[Chunk, int]
 
@@ -33,10 +33,7 @@ def evaluate(records: TenantRecords | None, part: wire.QueryPart, worker: str,
     if q.skip_cells is not None:
         if grid is None:
             raise ValueError("a count that skips cells needs the global grid")
-        return wire.QueryReply(worker=worker, count=sum(
-            int(np.count_nonzero(~_in_cells(grid, q.skip_cells, chunk.lon[rows],
-                                             chunk.lat[rows])))
-            for chunk, rows in _region_rows(records, part)))
+        return wire.QueryReply(worker=worker, count=_count_border(records, part, grid))
     if part.latest_of is not None:
         latest: dict[str, float] = {}
         if records is not None:
@@ -67,6 +64,33 @@ def evaluate(records: TenantRecords | None, part: wire.QueryPart, worker: str,
             terms.update(chunk.batch.keywords[i])
     reply.terms = dict(terms)
     return reply
+
+
+def _count_border(records: TenantRecords | None, part: wire.QueryPart, grid: Grid) -> int:
+    """The records inside the query's bbox but outside its `skip_cells`: read from the
+    coarse cells of four strips around the skipped rectangle (widened by a coarse cell, so
+    that they surely cover the border), then tested exactly."""
+    q = part.query
+    if records is None or q.bbox is None or q.skip_cells is None:
+        return 0
+    x0, y0, x1, y1 = q.skip_cells
+    b0, b1, b2, b3 = q.bbox
+    w, h = grid.cell_width, grid.cell_height
+    rx0, rx1 = grid.bounds[0] + x0 * w, grid.bounds[0] + (x1 + 1) * w
+    ry0, ry1 = grid.bounds[1] + y0 * h, grid.bounds[1] + (y1 + 1) * h
+    m = CELL_DEG
+    strips = [(b0 - m, b1 - m, rx0 + m, b3 + m), (rx1 - m, b1 - m, b2 + m, b3 + m),
+              (rx0 - m, b1 - m, rx1 + m, ry0 + m), (rx0 - m, ry1 - m, rx1 + m, b3 + m)]
+    total = 0
+    for chunk in records.chunks:
+        if chunk.first_at > part.as_of:
+            continue
+        rows = np.unique(np.concatenate([chunk.rows_in(s, slices=True) for s in strips]))
+        rows = rows[bbox_contains(q.bbox, chunk.lon[rows], chunk.lat[rows])]
+        rows = _in_time(chunk, part, rows)
+        total += int(np.count_nonzero(~_in_cells(grid, q.skip_cells, chunk.lon[rows],
+                                                 chunk.lat[rows])))
+    return total
 
 
 def _in_cells(grid: Grid, cells: tuple[int, int, int, int], lon: Any, lat: Any) -> Any:

@@ -14,7 +14,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from app.geo.geometry import haversine_m
+from app.geo.grid import Grid
 from app.pipeline import wire
+from app.pipeline.queries import whole_cells
 from workers import records
 from workers.records import CELL_DEG, RecordWindow
 from workers.snapshot import evaluate
@@ -47,8 +49,9 @@ coord_lat = st.one_of(st.integers(-900, 900).map(lambda i: i * CELL_DEG),
 record_st = st.tuples(coord_lon, coord_lat, st.sets(st.sampled_from("abc"), max_size=2))
 
 
-def window_of(rows: list[tuple[float, float, set[str]]]) -> RecordWindow:
-    w = RecordWindow(3600, 60)
+def window_of(rows: list[tuple[float, float, set[str]]], grid: Grid | None = None
+              ) -> RecordWindow:
+    w = RecordWindow(3600, 60, grid)
     for a in range(0, len(rows), 7):  # several chunks
         part = rows[a:a + 7]
         n = len(part)
@@ -107,3 +110,31 @@ def test_knn_finds_the_nearest_anywhere(rows: list[Any], px: float, py: float, k
     assert [(r.id, r.distance_m) for r in reply.records] == [(i, d) for d, i in ranked[:k]]
     assert reply.truncated == (len(ranked) > k)
     assert all(math.isfinite(r.distance_m) for r in reply.records)
+
+
+@settings(max_examples=200, deadline=None)
+@given(rows=st.lists(record_st, max_size=40), data=st.data(),
+       grid=st.sampled_from([Grid(nx=360, ny=180), Grid(nx=3600, ny=1800), Grid(),
+                             Grid(bounds=(-10.0, -5.0, 10.0, 5.0), nx=40, ny=20)]))
+def test_whole_cells_from_counts_plus_the_border_is_the_count(rows: list[Any], data: Any,
+                                                              grid: Grid) -> None:
+    """A count split as the api splits it: the whole cells inside the bbox from the window's
+    per-cell counts, the rest by `skip_cells`; both sum to the brute-force count."""
+    w = window_of(rows, grid)
+    lons = sorted(data.draw(st.lists(st.one_of(coord_lon, st.sampled_from(
+        [r[0] for r in rows] or [0.0])), min_size=2, max_size=2)))
+    lats = sorted(data.draw(st.lists(st.one_of(coord_lat, st.sampled_from(
+        [r[1] for r in rows] or [0.0])), min_size=2, max_size=2)))
+    bbox = (lons[0], lats[0], lons[1], lats[1])
+    want = sum(bbox[0] <= x <= bbox[2] and bbox[1] <= y <= bbox[3] for x, y, _ in rows)
+    cells = whole_cells(grid, bbox)
+    if cells is None:
+        return
+    held = w.tenants["t"].cell_counts if rows else {}
+    whole = sum(n for counts in held.values() for c, n in counts.items()
+                if cells[0] <= c % grid.nx <= cells[2] and cells[1] <= c // grid.nx <= cells[3])
+    border = evaluate(w.tenants.get("t"), wire.QueryPart(
+        reply="x", tenant="t", query=wire.SnapshotQuery(type="count", bbox=bbox,
+                                                        skip_cells=cells),
+        as_of=NOW + 1, deadline=NOW + 60), "w0", grid).count
+    assert whole + border == want
