@@ -352,7 +352,7 @@ class Executor:
                    **{a.stream: ">" for a in self.adoptions.values()}}
         # A report of the counts that is due does not wait behind an idle stream.
         block = 1000
-        if self.records.changed or self.processed_id != self.reported[0]:
+        if self.records.changed:
             wait = COUNTS_REPORT_S - (time.time() - self.reported[1])
             block = max(1, min(block, int(wait * 1000) + 1))
         reply = self.redis.xreadgroup(names.GROUP, self.id, streams, count=256, block=block)
@@ -367,7 +367,10 @@ class Executor:
             if by_stream.get(adoption.stream):
                 self._adopted(adoption, by_stream[adoption.stream])
         now = time.time()
-        if now - self.reported[1] >= COUNTS_REPORT_S:
+        if now - self.reported[1] >= COUNTS_REPORT_S or (
+                not self.records.changed and self.processed_id != self.reported[0]):
+            # counts at most every COUNTS_REPORT_S; a mark alone (entries without records,
+            # such as query parts) at once
             self._report_counts(now)
         if now - self.last_trim > MAINTENANCE_S:
             self.last_trim = now

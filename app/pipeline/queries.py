@@ -257,7 +257,7 @@ class QueryService:
                 log.warning("per-cell counts behind their streams after %g s (%s at %s, "
                             "tails %s): the workers count", COUNTS_WAIT_S, targets, upto, tails)
                 return None
-            await asyncio.sleep(0.005)
+            await asyncio.sleep(0.002)
         # written after the marks just read: they count at least as far
         pipe = redis.pipeline(transaction=False)
         for w in targets:
