@@ -9,22 +9,19 @@ import logging
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import redis
 from sqlalchemy.orm import Session
 
 from app.core.config import Settings
 from app.core.db import make_engine, make_sessionmaker
 from app.core.migrate import upgrade_head
-from app.core.redis import EmbeddedRedis, async_client
+from app.core.redis import async_client
 from app.core.state import AppState
 from app.models import Subscription
 from app.pipeline import expiry, names
 from app.services import subscriptions as sub_service
-from bench.cluster import own_database
 
 # Another process takes the lock, as another api process's expiry loop would.
 TAKE = """
@@ -37,16 +34,6 @@ sys.exit(0 if client.set(sys.argv[2], sys.argv[3], nx=True, px=60_000) else 1)
 def take_in_another_process(url: str, key: str, token: str) -> bool:
     return subprocess.run([sys.executable, "-c", TAKE, url, key, token],
                           timeout=30).returncode == 0
-
-
-@pytest.fixture
-def redis_db(embedded_redis: EmbeddedRedis) -> Iterator[str]:
-    url = own_database(embedded_redis.url)
-    client = redis.Redis.from_url(url)
-    client.flushdb()
-    yield url
-    client.flushdb()
-    client.close()
 
 
 def test_an_expired_holder_cannot_release_the_next_holders_lock(redis_db: str) -> None:

@@ -6,29 +6,16 @@ as the workers write them."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 
 import orjson
-import pytest
 import redis
 
-from app.core.redis import EmbeddedRedis, async_client
+from app.core.redis import async_client
 from app.pipeline import names, wire
 from app.pipeline.hub import Position, read_histories, start_position
-from bench.cluster import own_database
 
 TENANT = "t"
 BUCKET = 7
-
-
-@pytest.fixture
-def redis_db(embedded_redis: EmbeddedRedis) -> Iterator[str]:
-    url = own_database(embedded_redis.url)
-    client = redis.Redis.from_url(url)
-    client.flushdb()
-    yield url
-    client.flushdb()
-    client.close()
 
 
 def write_history(client: redis.Redis, sub: str, sizes: list[int]) -> list[str]:
