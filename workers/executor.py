@@ -413,8 +413,9 @@ class Executor:
                 pipe.hdel(key, tenant)
                 continue
             pipe.hset(key, tenant, wire.encode_cell_counts(wire.CellCounts(buckets=[
-                (b, list(cells), list(cells.values())) for b, cells in
-                sorted(held.cell_counts.items())])))
+                (b, np.fromiter(cells, dtype="<i8", count=len(cells)).tobytes(),
+                 np.fromiter(cells.values(), dtype="<i8", count=len(cells)).tobytes())
+                for b, cells in sorted(held.cell_counts.items())])))
         pipe.hset(key, names.CELL_COUNTS_UPTO, self.processed_id)
         pipe.execute()
         self.records.changed = set()

@@ -233,37 +233,55 @@ class QueryService:
         cells = whole_cells(index.grid, query.bbox)
         if cells is None:
             return None
-        redis = self.redis
-        pipe = redis.pipeline(transaction=False)
+        # One round trip: failovers, the streams' tails (what "accepted before the query"
+        # means), and the counts with their marks (each worker writes both at once, the mark
+        # read first: the counts read after it count at least that far).
+        n = len(targets)
+        pipe = self.redis.pipeline(transaction=False)
         for w in targets:
             pipe.get(names.adopter_key(w))
         for w in targets:
             pipe.xrevrange(names.worker_stream(w), count=1)
+        for w in targets:
+            pipe.hget(names.cell_counts_key(w), names.CELL_COUNTS_UPTO)
+        for w in targets:
+            pipe.hget(names.cell_counts_key(w), tenant)
         got = await pipe.execute()
-        if any(a is not None for a in got[:len(targets)]):
+        if any(a is not None for a in got[:n]):
             log.info("a failed-over worker among %s: the workers count", targets)
             return None
-        tails = [entry_order(rows[0][0]) if rows else (0, 0) for rows in got[len(targets):]]
+        tails = [entry_order(rows[0][0]) if rows else (0, 0) for rows in got[n:2 * n]]
+        # The border goes to the workers at once; the counts catch up meanwhile if need be.
+        border = _Run(self, tenant, msgspec.structs.replace(query, skip_cells=cells),
+                      run.as_of, run.deadline, [])
+        counted, replies = await asyncio.gather(
+            self._whole_cells(tenant, targets, tails, got[2 * n:3 * n], got[3 * n:], cells,
+                              index.grid, run.as_of),
+            border.round(targets, 0))
+        if counted is None:
+            return None
+        return counted + sum(r.count for r in replies)
+
+    async def _whole_cells(self, tenant: str, targets: list[str], tails: list[tuple[int, int]],
+                           upto: list[Any], held: list[Any], cells: tuple[int, int, int, int],
+                           grid: Grid, as_of: float) -> int | None:
+        """The records in `cells` from the workers' counts, once each includes its tail."""
         give_up = time.monotonic() + COUNTS_WAIT_S
-        while True:
-            pipe = redis.pipeline(transaction=False)
-            for w in targets:
-                pipe.hget(names.cell_counts_key(w), names.CELL_COUNTS_UPTO)
-            upto = await pipe.execute()
-            if all(u is not None and entry_order(u) >= tail
-                   for u, tail in zip(upto, tails, strict=True)):
-                break
+        while not all(u is not None and entry_order(u) >= tail
+                      for u, tail in zip(upto, tails, strict=True)):
             if time.monotonic() > give_up:
                 log.warning("per-cell counts behind their streams after %g s (%s at %s, "
                             "tails %s): the workers count", COUNTS_WAIT_S, targets, upto, tails)
                 return None
             await asyncio.sleep(0.002)
-        # written after the marks just read: they count at least as far
-        pipe = redis.pipeline(transaction=False)
-        for w in targets:
-            pipe.hget(names.cell_counts_key(w), tenant)
-        held = await pipe.execute()
-        horizon = int((run.as_of - self.settings.window_s) // self.settings.bucket_s)
+            pipe = self.redis.pipeline(transaction=False)
+            for w in targets:
+                pipe.hget(names.cell_counts_key(w), names.CELL_COUNTS_UPTO)
+            for w in targets:
+                pipe.hget(names.cell_counts_key(w), tenant)
+            got = await pipe.execute()
+            upto, held = got[:len(targets)], got[len(targets):]
+        horizon = int((as_of - self.settings.window_s) // self.settings.bucket_s)
         total = 0
         for raw in held:
             if raw is None:
@@ -271,14 +289,12 @@ class QueryService:
             for bucket, ids, counts in wire.decode_cell_counts(raw).buckets:
                 if bucket < horizon or not ids:
                     continue
-                cid = np.asarray(ids, dtype=np.int64)
-                cx, cy = cid % index.grid.nx, cid // index.grid.nx
+                cid = np.frombuffer(ids, dtype="<i8")
+                cx, cy = cid % grid.nx, cid // grid.nx
                 inside = ((cx >= cells[0]) & (cx <= cells[2]) & (cy >= cells[1])
                           & (cy <= cells[3]))
-                total += int(np.asarray(counts, dtype=np.int64)[inside].sum())
-        border = _Run(self, tenant, msgspec.structs.replace(query, skip_cells=cells),
-                      run.as_of, run.deadline, [])
-        return total + sum(r.count for r in await border.round(targets, 0))
+                total += int(np.frombuffer(counts, dtype="<i8")[inside].sum())
+        return total
 
     async def targets(self, index: GlobalIndex, query: wire.SnapshotQuery, now: float
                       ) -> list[str]:

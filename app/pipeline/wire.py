@@ -218,9 +218,9 @@ class QueryReply(msgspec.Struct, kw_only=True, omit_defaults=True):
 class CellCounts(msgspec.Struct, array_like=True):
     """A worker's number of records of one tenant per arrival bucket and global grid cell
     (CheetahGIS's per-cell counts, in `names.cell_counts_key`): per bucket, its cell ids and
-    their counts."""
+    their counts, each the bytes of a little-endian int64 array (read with numpy at once)."""
 
-    buckets: list[tuple[int, list[int], list[int]]]
+    buckets: list[tuple[int, bytes, bytes]]
 
 
 _counts_decoder = msgspec.msgpack.Decoder(CellCounts)
