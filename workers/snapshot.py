@@ -215,9 +215,11 @@ def _nearest(records: TenantRecords | None, part: wire.QueryPart, worker: str
     px, py = q.point
     limit = part.limit or q.k
     wanted = frozenset(q.keywords)
-    radius = FIRST_RADIUS_M
+    cap = q.max_distance_m
+    radius = FIRST_RADIUS_M if cap is None else min(FIRST_RADIUS_M, cap)
     while True:
         world = radius >= WORLD_M
+        last = world or (cap is not None and radius >= cap)
         box = circle_bbox(px, py, min(radius, WORLD_M))
         chunks: list[Chunk] = []
         parts_c, parts_r, parts_d = [], [], []
@@ -236,9 +238,9 @@ def _nearest(records: TenantRecords | None, part: wire.QueryPart, worker: str
                 chunks.append(chunk)
         taken, more = _take_nearest(records, part, wanted, limit, chunks, parts_c, parts_r,
                                     parts_d)
-        if world or more:
+        if last or more:
             break
-        radius *= 4
+        radius = radius * 4 if cap is None else min(radius * 4, cap)
     out = []
     for d, _, _, _, (chunk, i) in taken[:limit]:
         found = _found(chunk, i)

@@ -203,6 +203,11 @@ class QueryService:
             top = sorted(terms.items(), key=lambda t: (-t[1], t[0]))[:query.k]
             return {"results": [{"term": t, "count": c} for t, c in top],
                     "sources": {"live": counted}, "truncated": len(terms) > query.k}
+        if (query.type == "knn" and not query.latest and not self.router.replicated
+                and len(targets) > 1):
+            found = await self.knn_near_first(tenant, query, index, run)
+            if found is not None:
+                return found
         limit = query.k if query.type == "knn" else query.limit
         key = nearest_first if query.type == "knn" else newest_first
         per_worker = limit
@@ -217,6 +222,34 @@ class QueryService:
             per_worker *= 4
         raise QueryFailed(f"no exact answer after {MAX_ROUNDS} rounds (too many records of "
                           "moving objects superseded by later ones); narrow the query")
+
+    async def knn_near_first(self, tenant: str, query: wire.SnapshotQuery,
+                             index: GlobalIndex, run: _Run) -> dict[str, Any] | None:
+        """knn in two steps (CheetahGIS): the owner of the point's partition finds its k
+        nearest; only the workers holding records within the k-th of those distances (under
+        every plan of the window) are asked, and only that far. None when the owner holds
+        k or fewer (every worker is asked then, as for any query: whether more than k match,
+        `truncated`, is only known so when the owner holds more)."""
+        assert query.point is not None
+        px, py = query.point
+        owner = index.workers[int(index.worker_of_points([px], [py])[0])]
+        first = (await run.round([owner], query.k))[0]
+        if len(first.records) < query.k or not first.truncated:
+            return None
+        reach = first.records[query.k - 1].distance_m
+        others = [w for w in await self.targets(
+            index, wire.SnapshotQuery(type="count", circle=(px, py, reach)), run.as_of)
+            if w != owner]
+        replies = [first]
+        if others:
+            near = _Run(self, tenant, msgspec.structs.replace(query, max_distance_m=reach),
+                        run.as_of, run.deadline, [])
+            replies += await near.round(others, query.k)
+        records, more, exact = merge_listed(replies, nearest_first, lambda r: True, query.k)
+        if not exact:
+            return None
+        results = [_public(r, True) for r in records]
+        return {"results": results, "sources": {"live": len(results)}, "truncated": True}
 
     async def count_from_metadata(self, tenant: str, query: wire.SnapshotQuery,
                                   index: GlobalIndex, targets: list[str], run: _Run

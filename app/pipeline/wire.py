@@ -163,6 +163,8 @@ class SnapshotQuery(msgspec.Struct, kw_only=True, omit_defaults=True):
     # count: leave out the records in these cells of the global grid (x0, y0, x1, y1),
     # counted from the per-cell counts instead
     skip_cells: tuple[int, int, int, int] | None = None
+    # knn: only records within this distance (the second round of a knn, `QueryService`)
+    max_distance_m: float | None = None
 
 
 class QueryPart(msgspec.Struct, tag="q", tag_field="t", kw_only=True):

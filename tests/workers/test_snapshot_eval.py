@@ -138,3 +138,19 @@ def test_whole_cells_from_counts_plus_the_border_is_the_count(rows: list[Any], d
                                                         skip_cells=cells),
         as_of=NOW + 1, deadline=NOW + 60), "w0", grid).count
     assert whole + border == want
+
+
+@settings(max_examples=150, deadline=None)
+@given(rows=st.lists(record_st, max_size=40), px=coord_lon, py=coord_lat,
+       k=st.integers(1, 6), cap=st.floats(0, 3_000_000, allow_nan=False))
+def test_knn_within_a_distance_finds_the_nearest_within_it(rows: list[Any], px: float,
+                                                            py: float, k: int,
+                                                            cap: float) -> None:
+    """The second step of a knn: only records within `max_distance_m`, the nearest first."""
+    w = window_of(rows)
+    reply = ask(w, wire.SnapshotQuery(type="knn", point=(px, py), k=k, max_distance_m=cap),
+                limit=k)
+    ranked = sorted((haversine_m(px, py, x, y), f"o{i}") for i, (x, y, _) in enumerate(rows)
+                    if haversine_m(px, py, x, y) <= cap)
+    assert [(r.id, r.distance_m) for r in reply.records] == [(i, d) for d, i in ranked[:k]]
+    assert reply.truncated == (len(ranked) > k)
