@@ -191,12 +191,16 @@ class KnnState:
     moves is a candidate only for the subscriptions whose list it can enter (nearer than their
     k-th, computed for the whole batch at once), and only a subscription that loses one of its
     members (moved, gone, expired) searches again, in the spatial index (`PointIndex`), never
-    by a scan of every object. `top_k` is the brute-force statement of the same lists."""
+    by a scan of every object. `top_k` is the brute-force statement of the same lists.
+
+    The spatial index exists only while the tenant has kNN subscriptions: a tenant without
+    them costs the window's bookkeeping alone per object."""
 
     def __init__(self, window_s: float, bucket_s: float, grid: Grid | None = None) -> None:
         self.subs: dict[str, KnnSub] = {}
         self.objects = LiveWindow(window_s, bucket_s)
-        self.points = PointIndex(grid or Grid())
+        self.grid = grid or Grid()
+        self.points: PointIndex | None = None
         self.reach = Reach(REACH_GRID)
         # object (kind, id) -> the subscriptions whose local list holds it
         self.members: dict[Hashable, set[str]] = {}
@@ -205,12 +209,16 @@ class KnnState:
 
     # --- the objects ----------------------------------------------------------------------
     def _place(self, key: tuple[int, str], lon: float, lat: float, kws: frozenset[str]) -> None:
+        if self.points is None:
+            return
         if self.points.remove(key):
             self._moved.add(key)
         self.points.add(key, key[1], lon, lat, kws)
         self._placed.add(key)
 
     def _drop(self, key: tuple[int, str]) -> None:
+        if self.points is None:
+            return
         if self.points.remove(key):
             self._moved.add(key)
         self._placed.discard(key)
@@ -239,6 +247,8 @@ class KnnState:
     # --- the subscriptions -----------------------------------------------------------------
     def add(self, sub: KnnSub) -> KnnSub:
         self.remove(sub.id)
+        if self.points is None:
+            self._build_index()
         self.subs[sub.id] = sub
         self._set_local(sub, self._search(sub))
         return sub
@@ -248,9 +258,24 @@ class KnnState:
         if sub is not None:
             self._set_local(sub, [])
             self.reach.remove(sub_id)
+        if not self.subs:
+            self.points = None
+            self.members.clear()
+            self._moved.clear()
+            self._placed.clear()
         return sub
 
+    def _build_index(self) -> None:
+        """The spatial index of every object held (the first kNN subscription arrived)."""
+        points = self.points = PointIndex(self.grid)
+        for kind, source in ((MOVING, self.objects.moving), (EVENT, self.objects.events)):
+            for oid, (lon, lat, kws) in source.items():
+                points.add((kind, oid), oid, lon, lat, kws)
+        self._moved.clear()
+        self._placed.clear()
+
     def _search(self, sub: KnnSub) -> list[Neighbor]:
+        assert self.points is not None
         return self.points.nearest(sub.lon, sub.lat, sub.k,
                                    sub.accepts if sub.keywords else None)
 
@@ -291,8 +316,9 @@ class KnnState:
         that are nearer than their k-th."""
         moved, placed = self._moved, self._placed
         self._moved, self._placed = set(), set()
-        if not self.subs or not (moved or placed):
+        if self.points is None or not self.subs or not (moved or placed):
             return []
+        points = self.points
         changed: dict[str, KnnSub] = {}
         again: set[str] = set()
         left: dict[str, set[tuple[int, str]]] = {}
@@ -310,7 +336,7 @@ class KnnState:
             if new != sub.local:
                 self._set_local(sub, new)
                 changed[sid] = sub
-        cands = [(key, *held[1:]) for key in placed if (held := self.points.get(key))]
+        cands = [(key, *held[1:]) for key in placed if (held := points.get(key))]
         if cands:
             rest = [sub for sid, sub in self.subs.items() if sid not in again]
             for sub, entering in self._entering(rest, cands):
@@ -330,6 +356,7 @@ class KnnState:
         kth = sub.local[-1][:2] if sub.local else None
         out = [n for n in sub.local if n[4] not in keys]
         for key in keys:
+            assert self.points is not None
             held = self.points.get(key)
             if held is None or (sub.keywords and not sub.accepts(held[3])):
                 if full:
