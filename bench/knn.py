@@ -10,6 +10,10 @@ metres, in batches as a worker receives them. At the end the incremental lists a
 against brute force on a sample.
 
 `geoswarm bench knn [--objects N] [--subs N] [--updates N] [--batch N] [--k K]`
+
+With `--live`, the real system end to end instead (bench/knn_live.py): updates paced at
+`--rate` per second for `--seconds`, the lists received on a WebSocket, latency and CPU per
+update of every process, the last lists checked against brute force.
 """
 
 from __future__ import annotations
@@ -116,7 +120,22 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--batch", type=int, default=1_000)
     ap.add_argument("--k", type=int, default=10)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--live", action="store_true", help="the real system end to end")
+    ap.add_argument("--rate", type=float, default=5_000, help="--live: updates per second")
+    ap.add_argument("--seconds", type=float, default=20.0, help="--live: paced phase")
+    ap.add_argument("--workers", type=int, default=2, help="--live: worker processes")
     args = ap.parse_args(argv)
+    if args.live:
+        from bench.knn_live import run as run_live
+
+        out = run_live(args.objects, args.subs, args.k, args.rate, args.seconds,
+                       min(args.batch, 1000), args.workers, args.seed)
+        width = max(len(key) for key in out)
+        for key, value in out.items():
+            print(f"{key:<{width}}  {value}")
+        if out["last_lists_wrong"]:
+            raise SystemExit("some last lists differ from brute force")
+        return
     r = run(args.objects, args.subs, args.updates, args.batch, args.k, args.seed)
     rows = [
         ("moving objects", "objects", "{:,}"), ("kNN subscriptions", "subs", "{:,}"),

@@ -29,3 +29,14 @@ def test_every_list_is_checked() -> None:
     r = run(n_objects=2000, n_subs=200, n_updates=1000, batch=250, check_sample=200)
     assert r["exact_on_sample"] is True
     assert r["lists_changed_per_update"] > 0  # the updates did move lists
+
+
+def test_tiny_live_run_delivers_exact_last_lists() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "app.cli", "bench", "knn", "--live", "--objects", "2000",
+         "--subs", "100", "--rate", "400", "--seconds", "3", "--batch", "100"],
+        cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:] + out.stdout
+    rows = dict(line.split(None, 1) for line in out.stdout.splitlines() if line.strip())
+    assert rows["last_lists_checked"] == "100" and rows["last_lists_wrong"] == "0", out.stdout
+    assert int(rows["lists_pushed"]) > 0 and float(rows["latency_ms_p99"]) > 0, out.stdout

@@ -1,0 +1,172 @@
+"""Continuous kNN end to end (`geoswarm bench knn --live`): the real system (embedded
+redis-server, one api process, worker processes) with kNN subscriptions at city points and
+moving objects near cities, position updates paced at a rate over HTTP, the new neighbour
+lists received on a WebSocket.
+
+Latency of a list: from the send of the newest position it shows to its arrival on the
+WebSocket. CPU per update: of each process over the paced phase. At the end, the last list of
+a sample of subscriptions is checked against brute force over the final positions."""
+
+from __future__ import annotations
+
+import asyncio
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import orjson
+import websockets
+
+from app.core.config import Settings
+from app.core.redis import start_embedded_redis
+from app.geo.geometry import haversine_m
+from bench.cluster import LiveServer, start_server
+from bench.pipeline import cpu_seconds
+from bench.workload import city_points
+
+
+class KnnReceiver:
+    """One WebSocket listening to every subscription: the last list of each, the latencies."""
+
+    def __init__(self, server: LiveServer, key: str) -> None:
+        self.url = f"{server.ws_url}/v1/stream?token={key}"
+        self.last: dict[str, list[dict[str, Any]]] = {}
+        self.messages = 0
+        self.sent: dict[str, list[tuple[float, float, float]]] = {}  # id -> (at, lon, lat)
+        self.latency_ms: list[float] = []
+        self.ready = asyncio.Event()
+
+    def sent_at(self, n: dict[str, Any]) -> float | None:
+        for at, lon, lat in reversed(self.sent.get(n["id"], ())):
+            if abs(lon - n["lon"]) < 1e-7 and abs(lat - n["lat"]) < 1e-7:
+                return at
+        return None
+
+    async def run(self) -> None:
+        async with websockets.connect(self.url, max_size=None, max_queue=None) as ws:
+            await ws.send(orjson.dumps({"op": "listen", "all": True}).decode())
+            async for frame in ws:
+                now = time.time()
+                for line in frame.split("\n"):
+                    if line.startswith('{"type":"knn"'):
+                        m = orjson.loads(line)
+                        self.messages += 1
+                        self.last[m["subscription"]] = m["neighbors"]
+                        times = [t for n in m["neighbors"] if (t := self.sent_at(n)) is not None]
+                        if times:
+                            self.latency_ms.append((now - max(times)) * 1000)
+                    elif '"listening"' in line:
+                        self.ready.set()
+
+
+async def drive(server: LiveServer, n_objects: int, n_subs: int, k: int, rate: float,
+                seconds: float, batch: int, seed: int, check: int) -> dict[str, Any]:
+    rng = np.random.default_rng(seed)
+    lon, lat = city_points(n_objects, rng)
+    slon, slat = city_points(n_subs, rng, jitter_km=10.0)
+    ids = [f"v{i}" for i in range(n_objects)]
+    key = server.new_key("bench")
+    h = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
+    async with httpx.AsyncClient(base_url=server.base_url, timeout=120) as client:
+        async def post(objs: list[dict[str, Any]]) -> None:
+            r = await client.post("/v1/objects", headers=h,
+                                  content=orjson.dumps({"objects": objs}))
+            r.raise_for_status()
+
+        now = time.time()
+        for a in range(0, n_objects, 5000):
+            await post([{"id": ids[i], "lon": float(lon[i]), "lat": float(lat[i]), "ts": now}
+                        for i in range(a, min(a + 5000, n_objects))])
+        sub_ids: list[str] = []
+        specs = [{"type": "knn", "point": [float(slon[i]), float(slat[i])], "k": k}
+                 for i in range(n_subs)]
+        t0 = time.perf_counter()
+        for a in range(0, n_subs, 5000):
+            r = await client.post("/v1/subscriptions/batch", headers=h,
+                                  content=orjson.dumps({"subscriptions": specs[a:a + 5000]}))
+            r.raise_for_status()
+            sub_ids += r.json()["ids"]
+        subscribe_s = time.perf_counter() - t0
+        receiver = KnnReceiver(server, key)
+        task = asyncio.create_task(receiver.run())
+        await asyncio.wait_for(receiver.ready.wait(), 60)
+        # the first lists of every subscription arrive (or are in the history already)
+        quiet_since, seen = time.monotonic(), -1
+        while time.monotonic() - quiet_since < 2.0:
+            await asyncio.sleep(0.2)
+            if receiver.messages != seen:
+                seen, quiet_since = receiver.messages, time.monotonic()
+        receiver.latency_ms.clear()
+        messages0 = receiver.messages
+        cpu0 = cpu_seconds(server)
+        interval = batch / rate
+        start = time.perf_counter()
+        sent = 0
+        sends: list[asyncio.Task[None]] = []
+        while time.perf_counter() - start < seconds:
+            pick = rng.choice(n_objects, size=batch, replace=False)
+            lon[pick] = np.clip(lon[pick] + rng.normal(0, 0.003, batch), -180, 180)
+            lat[pick] = np.clip(lat[pick] + rng.normal(0, 0.003, batch), -85, 85)
+            at = time.time()
+            objs = []
+            for i in pick.tolist():
+                x, y = float(lon[i]), float(lat[i])
+                receiver.sent.setdefault(ids[i], []).append((at, x, y))
+                objs.append({"id": ids[i], "lon": x, "lat": y, "ts": at})
+            sends.append(asyncio.create_task(post(objs)))
+            sent += batch
+            delay = start + (sent / batch) * interval - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+        await asyncio.gather(*sends)
+        paced_s = time.perf_counter() - start
+        quiet_since, seen = time.monotonic(), -1
+        while time.monotonic() - quiet_since < 2.0:
+            await asyncio.sleep(0.2)
+            if receiver.messages != seen:
+                seen, quiet_since = receiver.messages, time.monotonic()
+        cpu = {n: v - cpu0.get(n, 0.0) for n, v in cpu_seconds(server).items()}
+        task.cancel()
+    sample = rng.choice(n_subs, size=min(check, n_subs), replace=False).tolist()
+    wrong = 0
+    for s in sample:
+        d = haversine_m(float(slon[s]), float(slat[s]), lon, lat)
+        want = sorted((round(float(d[i]), 3), ids[i]) for i in np.argsort(d)[:k + 5].tolist())
+        got = [n["id"] for n in receiver.last.get(sub_ids[s], [])]
+        wrong += got != [oid for _, oid in want[:k]]
+    lat_ms = sorted(receiver.latency_ms)
+
+    def pct(p: float) -> float:
+        return round(lat_ms[min(len(lat_ms) - 1, int(p * len(lat_ms)))], 1) if lat_ms else 0.0
+
+    workers_cpu = sum(v for n, v in cpu.items() if n.startswith("w"))
+    return {
+        "objects": n_objects, "subscriptions": n_subs, "k": k, "subscribe_s": round(subscribe_s, 1),
+        "updates": sent, "target_rate": rate, "achieved_rate": round(sent / paced_s),
+        "lists_pushed": receiver.messages - messages0,
+        "latency_ms_p50": pct(0.5), "latency_ms_p99": pct(0.99),
+        "worker_cpu_us_per_update": round(workers_cpu / sent * 1e6, 1),
+        "cpu_seconds": {n: round(v, 1) for n, v in cpu.items()},
+        "last_lists_checked": len(sample), "last_lists_wrong": wrong,
+    }
+
+
+def run(n_objects: int = 100_000, n_subs: int = 10_000, k: int = 10, rate: float = 5_000,
+        seconds: float = 20.0, batch: int = 250, workers: int = 2, seed: int = 1,
+        check: int = 200) -> dict[str, Any]:
+    tmp = Path(tempfile.mkdtemp(prefix="geoswarm-bench-knn-"))
+    redis_server = start_embedded_redis(Settings(data_dir=tmp / "redis"))
+    server = start_server(tmp, redis_server.url, workers=workers,
+                          GEOSWARM_RATE_LIMIT_PER_S="0", GEOSWARM_MAX_BATCH="10000",
+                          GEOSWARM_TENANT_PUBLISH_PER_S="0", GEOSWARM_MAX_BACKLOG="0",
+                          GEOSWARM_TENANT_MAX_SUBSCRIPTIONS="0")
+    try:
+        server.wait_workers(workers)
+        return asyncio.run(drive(server, n_objects, n_subs, k, rate, seconds, batch, seed,
+                                 check))
+    finally:
+        server.stop()
+        redis_server.stop()
