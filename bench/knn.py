@@ -124,12 +124,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rate", type=float, default=5_000, help="--live: updates per second")
     ap.add_argument("--seconds", type=float, default=20.0, help="--live: paced phase")
     ap.add_argument("--workers", type=int, default=2, help="--live: worker processes")
+    ap.add_argument("--request", type=int, default=100,
+                    help="--live: updates per HTTP request (latency grows with it)")
     args = ap.parse_args(argv)
     if args.live:
         from bench.knn_live import run as run_live
 
         out = run_live(args.objects, args.subs, args.k, args.rate, args.seconds,
-                       min(args.batch, 1000), args.workers, args.seed)
+                       args.request, args.workers, args.seed)
         width = max(len(key) for key in out)
         for key, value in out.items():
             print(f"{key:<{width}}  {value}")

@@ -3,9 +3,12 @@ redis-server, one api process, worker processes) with kNN subscriptions at city 
 moving objects near cities, position updates paced at a rate over HTTP, the new neighbour
 lists received on a WebSocket.
 
-Latency of a list: from the send of the newest position it shows to its arrival on the
-WebSocket. CPU per update: of each process over the paced phase. At the end, the last list of
-a sample of subscriptions is checked against brute force over the final positions."""
+Latency: with every batch of updates one probe object moves exactly onto the point of a random
+subscription, so that it must head that subscription's next list; the time from its send to
+the first list that shows it, split at the list's history entry (written by a worker: its id
+is Redis's clock). CPU per update: of each process over the
+paced phase. At the end, the last list of a sample of subscriptions is checked against brute
+force over the final positions."""
 
 from __future__ import annotations
 
@@ -35,15 +38,10 @@ class KnnReceiver:
         self.url = f"{server.ws_url}/v1/stream?token={key}"
         self.last: dict[str, list[dict[str, Any]]] = {}
         self.messages = 0
-        self.sent: dict[str, list[tuple[float, float, float]]] = {}  # id -> (at, lon, lat)
+        self.probes: dict[str, tuple[str, float, float, float]] = {}  # sub -> probe sent
         self.latency_ms: list[float] = []
+        self.written_ms: list[float] = []  # send -> history entry written
         self.ready = asyncio.Event()
-
-    def sent_at(self, n: dict[str, Any]) -> float | None:
-        for at, lon, lat in reversed(self.sent.get(n["id"], ())):
-            if abs(lon - n["lon"]) < 1e-7 and abs(lat - n["lat"]) < 1e-7:
-                return at
-        return None
 
     async def run(self) -> None:
         async with websockets.connect(self.url, max_size=None, max_queue=None) as ws:
@@ -54,10 +52,16 @@ class KnnReceiver:
                     if line.startswith('{"type":"knn"'):
                         m = orjson.loads(line)
                         self.messages += 1
-                        self.last[m["subscription"]] = m["neighbors"]
-                        times = [t for n in m["neighbors"] if (t := self.sent_at(n)) is not None]
-                        if times:
-                            self.latency_ms.append((now - max(times)) * 1000)
+                        sub = m["subscription"]
+                        self.last[sub] = m["neighbors"]
+                        probe = self.probes.get(sub)
+                        if probe is not None and any(
+                                n["id"] == probe[0] and abs(n["lon"] - probe[1]) < 1e-7
+                                and abs(n["lat"] - probe[2]) < 1e-7 for n in m["neighbors"]):
+                            del self.probes[sub]
+                            self.latency_ms.append((now - probe[3]) * 1000)
+                            entry_s = int(m["cursor"].split("-", 1)[0]) / 1000
+                            self.written_ms.append((entry_s - probe[3]) * 1000)
                     elif '"listening"' in line:
                         self.ready.set()
 
@@ -80,6 +84,10 @@ async def drive(server: LiveServer, n_objects: int, n_subs: int, k: int, rate: f
         for a in range(0, n_objects, 5000):
             await post([{"id": ids[i], "lon": float(lon[i]), "lat": float(lat[i]), "ts": now}
                         for i in range(a, min(a + 5000, n_objects))])
+        # listening before subscribing: every list, the first ones included, is received
+        receiver = KnnReceiver(server, key)
+        task = asyncio.create_task(receiver.run())
+        await asyncio.wait_for(receiver.ready.wait(), 60)
         sub_ids: list[str] = []
         specs = [{"type": "knn", "point": [float(slon[i]), float(slat[i])], "k": k}
                  for i in range(n_subs)]
@@ -90,9 +98,6 @@ async def drive(server: LiveServer, n_objects: int, n_subs: int, k: int, rate: f
             r.raise_for_status()
             sub_ids += r.json()["ids"]
         subscribe_s = time.perf_counter() - t0
-        receiver = KnnReceiver(server, key)
-        task = asyncio.create_task(receiver.run())
-        await asyncio.wait_for(receiver.ready.wait(), 60)
         # the first lists of every subscription arrive (or are in the history already)
         quiet_since, seen = time.monotonic(), -1
         while time.monotonic() - quiet_since < 2.0:
@@ -100,22 +105,24 @@ async def drive(server: LiveServer, n_objects: int, n_subs: int, k: int, rate: f
             if receiver.messages != seen:
                 seen, quiet_since = receiver.messages, time.monotonic()
         receiver.latency_ms.clear()
+        receiver.written_ms.clear()
         messages0 = receiver.messages
         cpu0 = cpu_seconds(server)
         interval = batch / rate
         start = time.perf_counter()
         sent = 0
         sends: list[asyncio.Task[None]] = []
+        probes = max(1, min(50, n_objects // 10))  # objects 0..probes-1
         while time.perf_counter() - start < seconds:
-            pick = rng.choice(n_objects, size=batch, replace=False)
-            lon[pick] = np.clip(lon[pick] + rng.normal(0, 0.003, batch), -180, 180)
-            lat[pick] = np.clip(lat[pick] + rng.normal(0, 0.003, batch), -85, 85)
+            pick = probes + rng.choice(n_objects - probes, size=batch - 1, replace=False)
+            lon[pick] = np.clip(lon[pick] + rng.normal(0, 0.003, pick.size), -180, 180)
+            lat[pick] = np.clip(lat[pick] + rng.normal(0, 0.003, pick.size), -85, 85)
+            p, s = int(rng.integers(probes)), int(rng.integers(n_subs))
+            lon[p], lat[p] = slon[s], slat[s]
             at = time.time()
-            objs = []
-            for i in pick.tolist():
-                x, y = float(lon[i]), float(lat[i])
-                receiver.sent.setdefault(ids[i], []).append((at, x, y))
-                objs.append({"id": ids[i], "lon": x, "lat": y, "ts": at})
+            receiver.probes[sub_ids[s]] = (ids[p], float(lon[p]), float(lat[p]), at)
+            objs = [{"id": ids[i], "lon": float(lon[i]), "lat": float(lat[i]), "ts": at}
+                    for i in [p, *pick.tolist()]]
             sends.append(asyncio.create_task(post(objs)))
             sent += batch
             delay = start + (sent / batch) * interval - time.perf_counter()
@@ -137,17 +144,19 @@ async def drive(server: LiveServer, n_objects: int, n_subs: int, k: int, rate: f
         want = sorted((round(float(d[i]), 3), ids[i]) for i in np.argsort(d)[:k + 5].tolist())
         got = [n["id"] for n in receiver.last.get(sub_ids[s], [])]
         wrong += got != [oid for _, oid in want[:k]]
-    lat_ms = sorted(receiver.latency_ms)
-
-    def pct(p: float) -> float:
-        return round(lat_ms[min(len(lat_ms) - 1, int(p * len(lat_ms)))], 1) if lat_ms else 0.0
+    def pct(p: float, values: list[float] | None = None) -> float:
+        v = sorted(receiver.latency_ms if values is None else values)
+        return round(v[min(len(v) - 1, int(p * len(v)))], 1) if v else 0.0
 
     workers_cpu = sum(v for n, v in cpu.items() if n.startswith("w"))
     return {
         "objects": n_objects, "subscriptions": n_subs, "k": k, "subscribe_s": round(subscribe_s, 1),
         "updates": sent, "target_rate": rate, "achieved_rate": round(sent / paced_s),
         "lists_pushed": receiver.messages - messages0,
+        "probes_timed": len(receiver.latency_ms), "probes_lost": len(receiver.probes),
         "latency_ms_p50": pct(0.5), "latency_ms_p99": pct(0.99),
+        "to_history_ms_p50": pct(0.5, receiver.written_ms),
+        "to_history_ms_p99": pct(0.99, receiver.written_ms),
         "worker_cpu_us_per_update": round(workers_cpu / sent * 1e6, 1),
         "cpu_seconds": {n: round(v, 1) for n, v in cpu.items()},
         "last_lists_checked": len(sample), "last_lists_wrong": wrong,
