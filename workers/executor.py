@@ -407,15 +407,16 @@ class Executor:
             return
         key = names.cell_counts_key(self.id)
         pipe = self.redis.pipeline(transaction=True)
-        for tenant in sorted(changed):
+        for tenant, bucket in sorted(changed):
             held = self.records.tenants.get(tenant)
-            if held is None or not held.cell_counts:
-                pipe.hdel(key, tenant)
+            cells = held.cell_counts.get(bucket) if held is not None else None
+            field = names.cell_counts_field(tenant, bucket)
+            if not cells:
+                pipe.hdel(key, field)
                 continue
-            pipe.hset(key, tenant, wire.encode_cell_counts(wire.CellCounts(buckets=[
-                (b, np.fromiter(cells, dtype="<i8", count=len(cells)).tobytes(),
-                 np.fromiter(cells.values(), dtype="<i8", count=len(cells)).tobytes())
-                for b, cells in sorted(held.cell_counts.items())])))
+            pipe.hset(key, field, wire.encode_cell_counts(wire.CellCounts(buckets=[
+                (bucket, np.fromiter(cells, dtype="<i8", count=len(cells)).tobytes(),
+                 np.fromiter(cells.values(), dtype="<i8", count=len(cells)).tobytes())])))
         pipe.hset(key, names.CELL_COUNTS_UPTO, self.processed_id)
         pipe.execute()
         self.records.changed = set()

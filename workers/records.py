@@ -200,7 +200,8 @@ class RecordWindow:
         self.bucket_s = bucket_s
         self.grid = grid
         self.tenants: dict[str, TenantRecords] = {}
-        self.changed: set[str] = set()  # tenants whose counts changed since `changed` was read
+        # (tenant, bucket) whose counts changed since `changed` was last emptied
+        self.changed: set[tuple[str, int]] = set()
 
     def __len__(self) -> int:
         return sum(t.size for t in self.tenants.values())
@@ -223,14 +224,13 @@ class RecordWindow:
         records.add(chunk)
         if self.grid is not None:
             records.count_cells(chunk, self.grid)
-            self.changed.add(batch.tenant)
+            self.changed.add((batch.tenant, chunk.bucket))
 
     def expire(self, now: float) -> None:
         """Drop what left the window, and merge small chunks."""
         horizon = self.horizon(now)
         for tenant, records in self.tenants.items():
-            if records.cell_counts and min(records.cell_counts) < horizon:
-                self.changed.add(tenant)
+            self.changed.update((tenant, b) for b in records.cell_counts if b < horizon)
             records.expire(horizon)
             records.compact()
         for tenant in [t for t, r in self.tenants.items() if not r.size]:

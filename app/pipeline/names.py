@@ -134,10 +134,16 @@ def window_stream(worker: str) -> str:
 
 
 def cell_counts_key(worker: str) -> str:
-    """Hash: tenant -> `wire.CellCounts` of the records a worker holds, and field
-    `CELL_COUNTS_UPTO`: the id of its stream's entry up to which (included) they count every
-    record. The api answers the whole cells of a count query from them."""
+    """Hash: `cell_counts_field(tenant, bucket)` -> `wire.CellCounts` of the records a worker
+    holds, and field `CELL_COUNTS_UPTO`: the id of its stream's entry up to which (included)
+    they count every record. The api answers the whole cells of a count query from them."""
     return f"gs:cells:{worker}"
+
+
+def cell_counts_field(tenant: str, bucket: int) -> str:
+    """One tenant's counts of one arrival bucket (a worker rewrites only the buckets that
+    changed, mostly the current one)."""
+    return f"{tenant}\x1f{bucket}"
 
 
 CELL_COUNTS_UPTO = "@"

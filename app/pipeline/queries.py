@@ -270,6 +270,10 @@ class QueryService:
         # means), and the counts with their marks (each worker writes both at once, the mark
         # read first: the counts read after it count at least that far).
         n = len(targets)
+        # the buckets of the window (a little past now: another api process's clock)
+        fields = [names.cell_counts_field(tenant, b) for b in range(
+            int((run.as_of - self.settings.window_s) // self.settings.bucket_s),
+            int(run.as_of // self.settings.bucket_s) + 3)]
         pipe = self.redis.pipeline(transaction=False)
         for w in targets:
             pipe.get(names.adopter_key(w))
@@ -278,7 +282,7 @@ class QueryService:
         for w in targets:
             pipe.hget(names.cell_counts_key(w), names.CELL_COUNTS_UPTO)
         for w in targets:
-            pipe.hget(names.cell_counts_key(w), tenant)
+            pipe.hmget(names.cell_counts_key(w), fields)
         got = await pipe.execute()
         if any(a is not None for a in got[:n]):
             log.info("a failed-over worker among %s: the workers count", targets)
@@ -288,14 +292,15 @@ class QueryService:
         border = _Run(self, tenant, msgspec.structs.replace(query, skip_cells=cells),
                       run.as_of, run.deadline, [])
         counted, replies = await asyncio.gather(
-            self._whole_cells(tenant, targets, tails, got[2 * n:3 * n], got[3 * n:], cells,
+            self._whole_cells(fields, targets, tails, got[2 * n:3 * n], got[3 * n:], cells,
                               index.grid, run.as_of),
             border.round(targets, 0))
         if counted is None:
             return None
         return counted + sum(r.count for r in replies)
 
-    async def _whole_cells(self, tenant: str, targets: list[str], tails: list[tuple[int, int]],
+    async def _whole_cells(self, fields: list[str], targets: list[str],
+                           tails: list[tuple[int, int]],
                            upto: list[Any], held: list[Any], cells: tuple[int, int, int, int],
                            grid: Grid, as_of: float) -> int | None:
         """The records in `cells` from the workers' counts, once each includes its tail."""
@@ -311,12 +316,12 @@ class QueryService:
             for w in targets:
                 pipe.hget(names.cell_counts_key(w), names.CELL_COUNTS_UPTO)
             for w in targets:
-                pipe.hget(names.cell_counts_key(w), tenant)
+                pipe.hmget(names.cell_counts_key(w), fields)
             got = await pipe.execute()
             upto, held = got[:len(targets)], got[len(targets):]
         horizon = int((as_of - self.settings.window_s) // self.settings.bucket_s)
         total = 0
-        for raw in held:
+        for raw in (r for per_worker in held for r in per_worker):
             if raw is None:
                 continue
             for bucket, ids, counts in wire.decode_cell_counts(raw).buckets:
