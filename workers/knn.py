@@ -111,23 +111,52 @@ class Reach:
     """Which lists an arriving object can enter: each subscription is registered in the grid
     cells its circle (its point, its k-th distance) covers, with slack so that it moves
     rarely; one that holds fewer than k, or reaches over many cells, is checked against every
-    arrival (`wide`). Arrivals are then checked only against the lists of their cell."""
+    arrival (`wide`). Arrivals are then checked only against the lists of their cell. Each
+    subscription has a slot in arrays of its point and k-th distance, so that the pairs of a
+    batch are checked with numpy alone."""
 
     def __init__(self, grid: Grid) -> None:
         self.grid = grid
-        self.cells: dict[int, set[str]] = {}
-        self.registered: dict[str, tuple[float, list[int]]] = {}  # sub -> (radius, cells)
-        self.wide: set[str] = set()
+        self.slot: dict[str, int] = {}
+        self.subs: list[KnnSub | None] = []
+        self.free: list[int] = []
+        self.lon: npt.NDArray[np.float64] = np.zeros(16)
+        self.lat: npt.NDArray[np.float64] = np.zeros(16)
+        self.kth: npt.NDArray[np.float64] = np.zeros(16)  # inf while fewer than k
+        self.cells: dict[int, set[int]] = {}
+        self.registered: dict[int, tuple[float, list[int]]] = {}  # slot -> (radius, cells)
+        self.wide: set[int] = set()
+        self._arrays: dict[int, npt.NDArray[np.int64]] = {}  # cell (-1: wide) -> slots
+
+    def _slot_of(self, sub: KnnSub) -> int:
+        i = self.slot.get(sub.id)
+        if i is not None:
+            return i
+        if self.free:
+            i = self.free.pop()
+            self.subs[i] = sub
+        else:
+            i = len(self.subs)
+            self.subs.append(sub)
+            if i == len(self.lon):
+                self.lon, self.lat, self.kth = (np.concatenate([a, np.zeros(i)])
+                                                for a in (self.lon, self.lat, self.kth))
+        self.slot[sub.id] = i
+        self.lon[i], self.lat[i] = sub.lon, sub.lat
+        return i
 
     def update(self, sub: KnnSub) -> None:
-        need = sub.local[-1][0] + 0.01 if len(sub.local) >= sub.k else math.inf
-        held = self.registered.get(sub.id)
+        i = self._slot_of(sub)
+        full = len(sub.local) >= sub.k
+        self.kth[i] = sub.local[-1][0] if full else math.inf
+        need = sub.local[-1][0] + 0.01 if full else math.inf
+        held = self.registered.get(i)
         if held is not None:
             if held[1] and held[0] / 4 <= need <= held[0]:
                 return  # still covered, and not far too wide
             if not held[1] and not math.isfinite(need):
                 return  # fewer than k: checked against every arrival
-        self.remove(sub.id)
+        self._unregister(i)
         cells: list[int] = []
         radius = need * 1.5
         if math.isfinite(radius):
@@ -137,26 +166,46 @@ class Reach:
                          for x in range(x0, x1 + 1)]
         if not cells:
             radius = math.inf
-            self.wide.add(sub.id)
+            self.wide.add(i)
+            self._arrays.pop(-1, None)
         for c in cells:
-            self.cells.setdefault(c, set()).add(sub.id)
-        self.registered[sub.id] = (radius, cells)
+            self.cells.setdefault(c, set()).add(i)
+            self._arrays.pop(c, None)
+        self.registered[i] = (radius, cells)
 
-    def remove(self, sub_id: str) -> None:
-        held = self.registered.pop(sub_id, None)
+    def _unregister(self, i: int) -> None:
+        held = self.registered.pop(i, None)
         if held is None:
             return
-        self.wide.discard(sub_id)
+        if i in self.wide:
+            self.wide.discard(i)
+            self._arrays.pop(-1, None)
         for c in held[1]:
             subs = self.cells[c]
-            subs.discard(sub_id)
+            subs.discard(i)
+            self._arrays.pop(c, None)
             if not subs:
                 del self.cells[c]
 
+    def remove(self, sub_id: str) -> None:
+        i = self.slot.pop(sub_id, None)
+        if i is None:
+            return
+        self._unregister(i)
+        self.subs[i] = None
+        self.kth[i] = -1.0  # matches nothing
+        self.free.append(i)
+
+    def _slots(self, cell: int) -> npt.NDArray[np.int64]:
+        arr = self._arrays.get(cell)
+        if arr is None:
+            held = self.wide if cell == -1 else self.cells.get(cell, set())
+            arr = self._arrays[cell] = np.fromiter(held, dtype=np.int64, count=len(held))
+        return arr
+
     def pairs(self, lon: npt.NDArray[np.float64], lat: npt.NDArray[np.float64]
-              ) -> tuple[list[str], npt.NDArray[np.int64], npt.NDArray[np.int64]]:
-        """(subscription ids, sub index, arrival index) of every pair to check."""
-        names: list[str] = []
+              ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+        """(slot, arrival index) of every pair to check."""
         si: list[npt.NDArray[np.int64]] = []
         ci: list[npt.NDArray[np.int64]] = []
         cx, cy = self.grid.cells_of(lon, lat)
@@ -165,23 +214,20 @@ class Reach:
         uniq, start = np.unique(cid[order], return_index=True)
         ends = [*start[1:].tolist(), len(order)]
         for c, a, b in zip(uniq.tolist(), start.tolist(), ends, strict=True):
-            subs = self.cells.get(c)
-            if not subs:
+            if c not in self.cells:
                 continue
+            slots = self._slots(c)
             rows = order[a:b]
-            for sid in subs:
-                si.append(np.full(len(rows), len(names), dtype=np.int64))
-                ci.append(rows)
-                names.append(sid)
-        everyone = np.arange(len(lon), dtype=np.int64)
-        for sid in self.wide:
-            si.append(np.full(len(lon), len(names), dtype=np.int64))
-            ci.append(everyone)
-            names.append(sid)
-        if not names:
+            si.append(np.repeat(slots, rows.size))
+            ci.append(np.tile(rows, slots.size))
+        if self.wide:
+            slots = self._slots(-1)
+            si.append(np.repeat(slots, len(lon)))
+            ci.append(np.tile(np.arange(len(lon), dtype=np.int64), slots.size))
+        if not si:
             empty = np.zeros(0, dtype=np.int64)
-            return names, empty, empty
-        return names, np.concatenate(si), np.concatenate(ci)
+            return empty, empty
+        return np.concatenate(si), np.concatenate(ci)
 
 
 class KnnState:
@@ -377,26 +423,25 @@ class KnnState:
         than k) that satisfy its keywords: the pairs `Reach` gives, their distances at once."""
         if not subs:
             return []
+        reach = self.reach
         lon = np.asarray([c[1] for c in cands], dtype=np.float64)
         lat = np.asarray([c[2] for c in cands], dtype=np.float64)
-        names, si, ci = self.reach.pairs(lon, lat)
-        if not names:
+        si, ci = reach.pairs(lon, lat)
+        if not si.size:
             return []
-        wanted = {s.id for s in subs}
-        chosen = [self.subs[n] if n in wanted else None for n in names]
-        slon = np.asarray([s.lon if s else 0.0 for s in chosen], dtype=np.float64)
-        slat = np.asarray([s.lat if s else 0.0 for s in chosen], dtype=np.float64)
-        kth = np.asarray([(s.local[-1][0] if len(s.local) >= s.k else np.inf) if s else -1.0
-                          for s in chosen], dtype=np.float64)
-        d = haversine_m(slon[si], slat[si], lon[ci], lat[ci])
-        hit = np.flatnonzero(d <= kth[si] + 0.001)
+        if len(subs) < len(self.subs):  # those searched again take no candidates
+            wanted = np.zeros(len(reach.subs), dtype=bool)
+            wanted[[reach.slot[s.id] for s in subs]] = True
+            keep = wanted[si]
+            si, ci = si[keep], ci[keep]
+        d = haversine_m(reach.lon[si], reach.lat[si], lon[ci], lat[ci])
+        hit = np.flatnonzero(d <= reach.kth[si] + 0.001)
         found: dict[int, list[Neighbor]] = {}
         for j in hit.tolist():
             s_ix, c_ix = int(si[j]), int(ci[j])
-            sub = chosen[s_ix]
+            sub = reach.subs[s_ix]
             key, x, y, kws = cands[c_ix]
             if sub is None or (sub.keywords and not sub.accepts(kws)):
                 continue
             found.setdefault(s_ix, []).append((round(float(d[j]), 3), key[1], x, y, key))
-        return [(chosen_sub, found[i]) for i in sorted(found)
-                if (chosen_sub := chosen[i]) is not None]
+        return [(sub, found[i]) for i in sorted(found) if (sub := reach.subs[i]) is not None]
