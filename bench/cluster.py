@@ -8,15 +8,19 @@ import secrets
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 import redis
 
+from app.core.config import Settings
 from app.core.processes import stop_processes, wait_until_ok
-from app.core.redis import free_port
+from app.core.redis import free_port, start_embedded_redis
 
 ROOT = Path(__file__).resolve().parents[1]
 BOOTSTRAP = "bootstrap-admin-key-" + secrets.token_hex(8)
@@ -123,3 +127,27 @@ def start_server(tmp: Path, redis_url: str, database_url: str | None = None, wor
         server.stop()
         raise RuntimeError("api did not become ready:\n" + (tmp / "api.log").read_text())
     return server
+
+
+# A benchmark measures the system, not its limits: no rate limits, quotas or backlog bound.
+UNTHROTTLED = {"GEOSWARM_RATE_LIMIT_PER_S": "0", "GEOSWARM_MAX_BATCH": "10000",
+               "GEOSWARM_TENANT_PUBLISH_PER_S": "0", "GEOSWARM_MAX_BACKLOG": "0",
+               "GEOSWARM_TENANT_MAX_SUBSCRIPTIONS": "0"}
+
+
+@contextmanager
+def bench_cluster(prefix: str, workers: int, **env_overrides: str) -> Iterator[LiveServer]:
+    """A cluster of `workers` on an embedded redis-server of its own, unthrottled, its
+    workers up; everything stopped after."""
+    tmp = Path(tempfile.mkdtemp(prefix=prefix))
+    redis_server = start_embedded_redis(Settings(data_dir=tmp / "redis"))
+    try:
+        server = start_server(tmp, redis_server.url, workers=workers,
+                              **{**UNTHROTTLED, **env_overrides})
+        try:
+            server.wait_workers(workers)
+            yield server
+        finally:
+            server.stop()
+    finally:
+        redis_server.stop()

@@ -13,57 +13,45 @@ force over the final positions."""
 from __future__ import annotations
 
 import asyncio
-import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
 import httpx
 import numpy as np
 import orjson
-import websockets
 
-from app.core.config import Settings
-from app.core.redis import start_embedded_redis
 from app.geo.geometry import haversine_m
-from bench.cluster import LiveServer, start_server
-from bench.pipeline import cpu_seconds
+from bench.cluster import LiveServer, bench_cluster
+from bench.pipeline import Listener, cpu_seconds
 from bench.workload import city_points
 
 
-class KnnReceiver:
-    """One WebSocket listening to every subscription: the last list of each, the latencies."""
+class KnnReceiver(Listener):
+    """The last list of each subscription, and the probes' latencies."""
 
     def __init__(self, server: LiveServer, key: str) -> None:
-        self.url = f"{server.ws_url}/v1/stream?token={key}"
+        super().__init__(server, key)
         self.last: dict[str, list[dict[str, Any]]] = {}
         self.messages = 0
         self.probes: dict[str, tuple[str, float, float, float]] = {}  # sub -> probe sent
         self.latency_ms: list[float] = []
         self.written_ms: list[float] = []  # send -> history entry written
-        self.ready = asyncio.Event()
 
-    async def run(self) -> None:
-        async with websockets.connect(self.url, max_size=None, max_queue=None) as ws:
-            await ws.send(orjson.dumps({"op": "listen", "all": True}).decode())
-            async for frame in ws:
-                now = time.time()
-                for line in frame.split("\n"):
-                    if line.startswith('{"type":"knn"'):
-                        m = orjson.loads(line)
-                        self.messages += 1
-                        sub = m["subscription"]
-                        self.last[sub] = m["neighbors"]
-                        probe = self.probes.get(sub)
-                        if probe is not None and any(
-                                n["id"] == probe[0] and abs(n["lon"] - probe[1]) < 1e-7
-                                and abs(n["lat"] - probe[2]) < 1e-7 for n in m["neighbors"]):
-                            del self.probes[sub]
-                            self.latency_ms.append((now - probe[3]) * 1000)
-                            entry_s = int(m["cursor"].split("-", 1)[0]) / 1000
-                            self.written_ms.append((entry_s - probe[3]) * 1000)
-                    elif '"listening"' in line:
-                        self.ready.set()
+    def handle(self, line: str, now: float) -> None:
+        if not line.startswith('{"type":"knn"'):
+            return
+        m = orjson.loads(line)
+        self.messages += 1
+        sub = m["subscription"]
+        self.last[sub] = m["neighbors"]
+        probe = self.probes.get(sub)
+        if probe is not None and any(
+                n["id"] == probe[0] and abs(n["lon"] - probe[1]) < 1e-7
+                and abs(n["lat"] - probe[2]) < 1e-7 for n in m["neighbors"]):
+            del self.probes[sub]
+            self.latency_ms.append((now - probe[3]) * 1000)
+            entry_s = int(m["cursor"].split("-", 1)[0]) / 1000
+            self.written_ms.append((entry_s - probe[3]) * 1000)
 
 
 async def drive(server: LiveServer, n_objects: int, n_subs: int, k: int, rate: float,
@@ -180,16 +168,6 @@ async def drive(server: LiveServer, n_objects: int, n_subs: int, k: int, rate: f
 def run(n_objects: int = 100_000, n_subs: int = 10_000, k: int = 10, rate: float = 5_000,
         seconds: float = 20.0, batch: int = 250, workers: int = 2, seed: int = 1,
         check: int = 200) -> dict[str, Any]:
-    tmp = Path(tempfile.mkdtemp(prefix="geoswarm-bench-knn-"))
-    redis_server = start_embedded_redis(Settings(data_dir=tmp / "redis"))
-    server = start_server(tmp, redis_server.url, workers=workers,
-                          GEOSWARM_RATE_LIMIT_PER_S="0", GEOSWARM_MAX_BATCH="10000",
-                          GEOSWARM_TENANT_PUBLISH_PER_S="0", GEOSWARM_MAX_BACKLOG="0",
-                          GEOSWARM_TENANT_MAX_SUBSCRIPTIONS="0")
-    try:
-        server.wait_workers(workers)
+    with bench_cluster("geoswarm-bench-knn-", workers) as server:
         return asyncio.run(drive(server, n_objects, n_subs, k, rate, seconds, batch, seed,
                                  check))
-    finally:
-        server.stop()
-        redis_server.stop()

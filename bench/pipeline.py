@@ -66,15 +66,17 @@ def expected_pairs(specs: list[dict[str, Any]], objs: dict[str, Any]) -> set[tup
     return set(zip(k.tolist(), o.tolist(), strict=True))
 
 
-class Receiver:
-    """One WebSocket listening to all of a tenant's subscriptions."""
+class Listener:
+    """One WebSocket listening to all of a tenant's subscriptions; `handle` takes each
+    message line with its arrival time."""
 
     def __init__(self, server: LiveServer, key: str) -> None:
         self.url = f"{server.ws_url}/v1/stream?token={key}"
-        self.pairs: list[tuple[str, str]] = []
-        self.latency_ms: list[float] = []
         self.task: asyncio.Task[None] | None = None
         self.ready = asyncio.Event()
+
+    def handle(self, line: str, now: float) -> None:
+        raise NotImplementedError
 
     async def run(self) -> None:
         async with websockets.connect(self.url, max_size=None, max_queue=None) as ws:
@@ -82,12 +84,25 @@ class Receiver:
             async for frame in ws:
                 now = time.time()
                 for line in frame.split("\n"):
-                    if line.startswith('{"type":"match"'):
-                        m = orjson.loads(line)
-                        self.pairs.append((m["subscription"], m["object"]["id"]))
-                        self.latency_ms.append((now - m["object"]["ts"]) * 1000)
-                    elif '"listening"' in line:
+                    if line.startswith('{"type":"listening"'):
                         self.ready.set()
+                    else:
+                        self.handle(line, now)
+
+
+class Receiver(Listener):
+    """The matches received, and each one's latency from its object's `ts`."""
+
+    def __init__(self, server: LiveServer, key: str) -> None:
+        super().__init__(server, key)
+        self.pairs: list[tuple[str, str]] = []
+        self.latency_ms: list[float] = []
+
+    def handle(self, line: str, now: float) -> None:
+        if line.startswith('{"type":"match"'):
+            m = orjson.loads(line)
+            self.pairs.append((m["subscription"], m["object"]["id"]))
+            self.latency_ms.append((now - m["object"]["ts"]) * 1000)
 
 
 async def drive(server: LiveServer, scenario: str, n_subs: int, n_objects: int, batch: int,

@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -21,10 +19,8 @@ import numpy as np
 import orjson
 import redis
 
-from app.core.config import Settings
-from app.core.redis import start_embedded_redis
 from app.geo.geometry import haversine_m
-from bench.cluster import LiveServer, start_server
+from bench.cluster import LiveServer, bench_cluster
 from bench.workload import make_objects
 
 GEO_KEY = "bench:geo"
@@ -74,14 +70,8 @@ def summary(ms: list[float]) -> dict[str, float]:
 
 def run(records: int = 1_000_000, queries: int = 200, workers: int = 2, batch: int = 5_000,
         box_km: float = 5.0, k: int = 10, seed: int = 1) -> dict[str, Any]:
-    tmp = Path(tempfile.mkdtemp(prefix="geoswarm-bench-snapshot-"))
-    redis_server = start_embedded_redis(Settings(data_dir=tmp / "redis"))
-    server = start_server(tmp, redis_server.url, workers=workers,
-                          GEOSWARM_RATE_LIMIT_PER_S="0", GEOSWARM_MAX_BATCH="10000",
-                          GEOSWARM_TENANT_PUBLISH_PER_S="0", GEOSWARM_MAX_BACKLOG="0",
-                          GEOSWARM_QUERY_TIMEOUT_S="120")
-    try:
-        server.wait_workers(workers)
+    with bench_cluster("geoswarm-bench-snapshot-", workers,
+                       GEOSWARM_QUERY_TIMEOUT_S="120") as server:
         rng = np.random.default_rng(seed)
         objs = make_objects(records, rng)
         key = server.new_key("bench")
@@ -157,9 +147,6 @@ def run(records: int = 1_000_000, queries: int = 200, workers: int = 2, batch: i
         out["knn_vs_geosearch_p50"] = round(
             out["knn"]["p50_ms"] / out["geosearch_knn"]["p50_ms"], 1)
         return out
-    finally:
-        server.stop()
-        redis_server.stop()
 
 
 def main(argv: list[str] | None = None) -> None:
