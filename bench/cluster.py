@@ -142,7 +142,7 @@ def bench_cluster(prefix: str, workers: int, **env_overrides: str) -> Iterator[L
     tmp = Path(tempfile.mkdtemp(prefix=prefix))
     redis_server = start_embedded_redis(Settings(data_dir=tmp / "redis"))
     try:
-        server = start_server(tmp, redis_server.url, workers=workers,
+        server = start_server(tmp, redis_server.url, None, workers, 1,
                               **{**UNTHROTTLED, **env_overrides})
         try:
             server.wait_workers(workers)

@@ -22,7 +22,7 @@ import orjson
 
 from app.geo.geometry import haversine_m
 from bench.cluster import LiveServer, bench_cluster
-from bench.pipeline import Listener, cpu_seconds
+from bench.pipeline import Listener, cpu_seconds, subscribe
 from bench.workload import city_points
 
 
@@ -36,6 +36,14 @@ class KnnReceiver(Listener):
         self.probes: dict[str, tuple[str, float, float, float]] = {}  # sub -> probe sent
         self.latency_ms: list[float] = []
         self.written_ms: list[float] = []  # send -> history entry written
+
+    async def quiet(self, for_s: float = 2.0) -> None:
+        """Until no list has arrived for `for_s`."""
+        since, seen = time.monotonic(), -1
+        while time.monotonic() - since < for_s:
+            await asyncio.sleep(0.2)
+            if self.messages != seen:
+                seen, since = self.messages, time.monotonic()
 
     def handle(self, line: str, now: float) -> None:
         if not line.startswith('{"type":"knn"'):
@@ -76,22 +84,13 @@ async def drive(server: LiveServer, n_objects: int, n_subs: int, k: int, rate: f
         receiver = KnnReceiver(server, key)
         task = asyncio.create_task(receiver.run())
         await asyncio.wait_for(receiver.ready.wait(), 60)
-        sub_ids: list[str] = []
         specs = [{"type": "knn", "point": [float(slon[i]), float(slat[i])], "k": k}
                  for i in range(n_subs)]
         t0 = time.perf_counter()
-        for a in range(0, n_subs, 5000):
-            r = await client.post("/v1/subscriptions/batch", headers=h,
-                                  content=orjson.dumps({"subscriptions": specs[a:a + 5000]}))
-            r.raise_for_status()
-            sub_ids += r.json()["ids"]
+        sub_ids = await subscribe(client, h, specs, 5000)
         subscribe_s = time.perf_counter() - t0
         # the first lists of every subscription arrive (or are in the history already)
-        quiet_since, seen = time.monotonic(), -1
-        while time.monotonic() - quiet_since < 2.0:
-            await asyncio.sleep(0.2)
-            if receiver.messages != seen:
-                seen, quiet_since = receiver.messages, time.monotonic()
+        await receiver.quiet()
         receiver.latency_ms.clear()
         receiver.written_ms.clear()
         messages0 = receiver.messages
@@ -130,11 +129,7 @@ async def drive(server: LiveServer, n_objects: int, n_subs: int, k: int, rate: f
         while receiver.probes and time.monotonic() < give_up:
             await asyncio.sleep(0.2)
         caught_up_s = time.perf_counter() - start - paced_s
-        quiet_since, seen = time.monotonic(), -1
-        while time.monotonic() - quiet_since < 2.0:
-            await asyncio.sleep(0.2)
-            if receiver.messages != seen:
-                seen, quiet_since = receiver.messages, time.monotonic()
+        await receiver.quiet()
         cpu = {n: v - cpu0.get(n, 0.0) for n, v in cpu_seconds(server).items()}
         task.cancel()
     sample = rng.choice(n_subs, size=min(check, n_subs), replace=False).tolist()

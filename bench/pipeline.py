@@ -83,7 +83,8 @@ class Listener:
             await ws.send(orjson.dumps({"op": "listen", "all": True}).decode())
             async for frame in ws:
                 now = time.time()
-                for line in frame.split("\n"):
+                text = frame if isinstance(frame, str) else frame.decode()
+                for line in text.split("\n"):
                     if line.startswith('{"type":"listening"'):
                         self.ready.set()
                     else:
@@ -105,6 +106,18 @@ class Receiver(Listener):
             self.latency_ms.append((now - m["object"]["ts"]) * 1000)
 
 
+async def subscribe(client: httpx.AsyncClient, headers: dict[str, str],
+                    specs: list[dict[str, Any]], per_request: int = 10_000) -> list[str]:
+    """Create the subscriptions in batches; their ids in order."""
+    ids: list[str] = []
+    for i in range(0, len(specs), per_request):
+        r = await client.post("/v1/subscriptions/batch", headers=headers,
+                              content=orjson.dumps({"subscriptions": specs[i:i + per_request]}))
+        r.raise_for_status()
+        ids += r.json()["ids"]
+    return ids
+
+
 async def drive(server: LiveServer, scenario: str, n_subs: int, n_objects: int, batch: int,
                 rate: float | None, seed: int, concurrency: int) -> dict[str, Any]:
     rng = np.random.default_rng(seed)
@@ -116,12 +129,7 @@ async def drive(server: LiveServer, scenario: str, n_subs: int, n_objects: int, 
     h = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
     async with httpx.AsyncClient(base_url=server.base_url, timeout=120) as client:
         t0 = time.perf_counter()
-        sub_ids: list[str] = []
-        for i in range(0, n_subs, 10_000):
-            r = await client.post("/v1/subscriptions/batch", headers=h,
-                                  content=orjson.dumps({"subscriptions": specs[i:i + 10_000]}))
-            r.raise_for_status()
-            sub_ids += r.json()["ids"]
+        sub_ids = await subscribe(client, h, specs)
         sub_create_s = time.perf_counter() - t0
         receiver = Receiver(server, key)
         receiver.task = asyncio.create_task(receiver.run())
