@@ -390,9 +390,7 @@ class Executor:
     def _processed_at_start(self) -> None:
         """After the rebuild and the replay, the window holds the records of every entry
         delivered so far: they count up to the group's last delivered entry."""
-        groups = self.redis.xinfo_groups(self.stream)
-        last = next((g["last-delivered-id"] for g in groups
-                     if g["name"] in (names.GROUP, names.GROUP.encode())), None)
+        last = self.last_delivered(self.stream)
         if last and not self._pending_count():
             self.processed_id = last if isinstance(last, bytes) else str(last).encode()
 
@@ -666,11 +664,14 @@ class Executor:
         except redis.ResponseError as exc:
             log.warning("worker %s: trim failed: %s", self.id, exc)
 
+    def last_delivered(self, stream: str) -> Any:
+        """The id of the last entry of `stream` delivered to our consumer group, or None."""
+        return next((g["last-delivered-id"] for g in self.redis.xinfo_groups(stream)
+                     if g["name"] in (names.GROUP, names.GROUP.encode())), None)
+
     def trim_stream(self, stream: str) -> None:
         """Trim a stream we consume below its oldest pending entry (or its last delivered)."""
-        groups = self.redis.xinfo_groups(stream)
-        last = next((g["last-delivered-id"] for g in groups
-                     if g["name"] in (names.GROUP, names.GROUP.encode())), None)
+        last = self.last_delivered(stream)
         summary = self.redis.xpending(stream, names.GROUP)
         floor = summary["min"] if summary and summary.get("pending") else last
         if floor:

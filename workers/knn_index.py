@@ -129,9 +129,6 @@ class PointIndex:
     def __len__(self) -> int:
         return len(self.where)
 
-    def __contains__(self, key: Hashable) -> bool:
-        return key in self.where
-
     def get(self, key: Hashable) -> tuple[int, float, float, frozenset[str]] | None:
         return self.where.get(key)
 
@@ -260,12 +257,3 @@ class PointIndex:
         if best[-1][0] + _SLACK_M >= _escape_m(g, lon, lat, xa, ya, xb, yb):
             return None  # something outside the block could be nearer
         return best
-
-    def points(self) -> list[tuple[Hashable, str, float, float, frozenset[str]]]:
-        """Every point as (key, id, lon, lat, keywords) (tests, brute force)."""
-        out = []
-        for cell in self.cells.values():
-            for key, i in cell.slot.items():
-                out.append((key, cell.ids[i], float(cell.lon[i]), float(cell.lat[i]),
-                            cell.kws[i]))
-        return out

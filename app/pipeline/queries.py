@@ -186,15 +186,13 @@ class QueryService:
             counted = await self.count_from_metadata(tenant, query, index, targets, run)
             COUNT_QUERIES.labels("workers" if counted is None else "metadata").inc()
             if counted is not None:
-                return {"results": [{"count": counted}], "sources": {"live": counted},
-                        "truncated": False}
+                return _count_body(counted)
         if query.type in ("count", "topk_terms"):
             replies = await run.round(targets, 0)
             verified = await run.verified(replies)
             counted = sum(r.count for r in replies) + len(verified)
             if query.type == "count":
-                return {"results": [{"count": counted}], "sources": {"live": counted},
-                        "truncated": False}
+                return _count_body(counted)
             terms: Counter[str] = Counter()
             for reply in replies:
                 terms.update(reply.terms)
@@ -514,6 +512,10 @@ class _Run:
                     seen.add(r.id)
                     out.append(r)
         return out
+
+
+def _count_body(counted: int) -> dict[str, Any]:
+    return {"results": [{"count": counted}], "sources": {"live": counted}, "truncated": False}
 
 
 def _public(r: wire.FoundRecord, with_distance: bool) -> dict[str, Any]:
