@@ -8,6 +8,7 @@ written (at-least-once transport, exactly-once effect).
 from __future__ import annotations
 
 import logging
+import math
 import os
 import signal
 import socket
@@ -37,7 +38,8 @@ from app.pipeline.router import (
 from app.services.subscriptions import all_live
 from workers.decide import Matches, decide
 from workers.failover import Adoption, Fenced, fence_lost, load_window, watch_fence
-from workers.knn import MERGE_SCRIPT, KnnState, KnnSub, knn_sub
+from workers.knn import KnnState, KnnSub
+from workers.knn_reg import KnnRegistry
 from workers.ledger import SwarmLedger, rect_of
 from workers.migration import CommandRefused, Migration
 from workers.records import RecordWindow, TenantRecords, records_of
@@ -92,7 +94,6 @@ class Executor:
         self.touched: set[str] = set()
         self.started = time.time()
         self.knn: dict[str, KnnState] = {}
-        self._merge = self.redis.register_script(MERGE_SCRIPT)
         self._history = self.redis.register_script(HISTORY_SCRIPT)
         self.pending_history: list[tuple[str, int, list[str], list[bytes], dict[str, bytes]]] = []
         # Snapshot queries: the window's records, those of the entries being processed (kept
@@ -113,6 +114,7 @@ class Executor:
         self.ledger = SwarmLedger(grid_of(settings))
         self.subs = LocalSubs(grid_of(settings), self.replicated)
         self.migration = Migration(self)
+        self.knnreg = KnnRegistry(self)
         self.sub_msgs: dict[str, wire.SubscriptionCopy] = {}  # what the handoffs carry
         self.tombstones: dict[str, float] = {}
         self.round_received = 0  # objects and subscriptions this round (replicated mode's R)
@@ -211,30 +213,67 @@ class Executor:
         assert self.index is not None
         return self.index.plan.version
 
-    def rebuild_subscriptions(self, parts: list[Partition] | None = None,
-                               pipe: Any = None) -> None:
-        """Rebuild this worker's subscriptions from SQL (stream replay covers later changes);
-        with `parts`, only the range subscriptions over those partitions (a takeover)."""
+    def sql_subscriptions(self) -> list[wire.SubscriptionCopy]:
+        """Every live subscription, as SQL has it."""
         engine = make_engine(self.settings)
         try:
             with make_sessionmaker(engine)() as session:
-                rows = all_live(session, time.time())
-                msgs = [subscription_message(r) for r in rows]
+                return [subscription_message(r) for r in all_live(session, time.time())]
         finally:
             engine.dispose()
+
+    def rebuild_subscriptions(self, parts: list[Partition] | None = None, pipe: Any = None,
+                              msgs: list[wire.SubscriptionCopy] | None = None) -> None:
+        """Rebuild this worker's subscriptions from SQL (stream replay covers later changes);
+        with `parts`, only those over these partitions (a takeover)."""
+        if msgs is None:
+            msgs = self.sql_subscriptions()
         assert self.index is not None
+        knn = [m for m in msgs if m.spec["type"] == "knn"]
         if parts is not None:
             mine = [m for m in msgs if m.spec["type"] == "range" and any(
                 p.overlaps(*rect_of(self.index.grid, m.spec)) for p in parts)]
             self.add_subscriptions(mine, pipe)
+            self._rebuild_knn(knn, parts, False, pipe)
             return
         # Entries replayed after a crash may add subscriptions deleted before it (the
         # tombstones died with the process): during the replay only these count as live.
         self.sql_live = {m.id for m in msgs}
-        mine = [m for m in msgs
-                if self.id in targets_for_spec(self.index, m.spec, self.replicated)]
+        mine = [m for m in msgs if m.spec["type"] != "knn"
+                and self.id in targets_for_spec(self.index, m.spec, self.replicated)]
         self.add_subscriptions(mine)
-        log.info("worker %s rebuilt %d subscriptions from SQL", self.id, len(mine))
+        n_knn = self._rebuild_knn(knn, self.owned(), True, None)
+        log.info("worker %s rebuilt %d subscriptions from SQL (%d kNN)", self.id,
+                 len(mine) + n_knn, n_knn)
+
+    def _rebuild_knn(self, msgs: list[wire.SubscriptionCopy], parts: list[Partition],
+                     restart: bool, pipe: Any) -> int:
+        """kNN registrations as their hashes store them: after a restart those naming this
+        worker or reaching its partitions (every one when unbounded), after a takeover those
+        reaching the partitions taken (the unbounded ones are here already)."""
+        assert self.index is not None
+        grid = self.index.grid
+        stored = self.knnreg.stored([m.id for m in msgs])
+        mine = []
+        for m in msgs:
+            held = stored.get(m.id)
+            if held is None:
+                continue  # deleted meanwhile
+            epoch, radius, named = held
+            bounded = math.isfinite(radius)
+            if not bounded and not restart:
+                continue
+            if bounded and not (restart and named):
+                rect = rect_of(grid, {"type": "range", "circle": {
+                    "lon": m.spec["point"][0], "lat": m.spec["point"][1],
+                    "radius_m": radius}})
+                if not any(p.overlaps(*rect) for p in parts):
+                    continue
+            mine.append(wire.SubscriptionCopy(
+                id=m.id, tenant=m.tenant, spec=m.spec, expires_at=m.expires_at,
+                radius_m=radius if bounded else None, epoch=epoch))
+        self.add_subscriptions(mine, pipe)
+        return len(mine)
 
     def rebuild_positions(self, parts: list[Partition] | None = None) -> None:
         """Moving objects whose latest position lies in this worker's partitions (or in
@@ -288,16 +327,10 @@ class Executor:
                                                 self.index.grid)
         return state
 
-    def merge_knn(self, tenant: str, subs: list[KnnSub], pipe: Any) -> None:
-        for sub in subs:
-            self.touched.add(sub.id)  # its history is trimmed by age with the others
-            local = orjson.dumps([[n[0], n[1], n[2], n[3]] for n in sub.local])
-            self._merge(keys=[names.knn_key(sub.id), names.history_key(sub.id),
-                              names.history_last_key(sub.id)],
-                        args=[self.id, local, sub.k, self.settings.history_max_len,
-                              int(self.settings.history_max_age_s) + 60, tenant,
-                              names.HISTORY_LAST_TTL_S],
-                        client=pipe)
+    def merge_knn(self, tenant: str, subs: list[KnnSub], pipe: Any,
+                  clear: tuple[str, ...] = ()) -> None:
+        """Report local lists to the merged ones (`workers.knn_reg`)."""
+        self.knnreg.report(tenant, subs, pipe, clear)
 
     def _heartbeat(self) -> None:
         info = {
@@ -486,6 +519,7 @@ class Executor:
         except redis.WatchError as exc:
             raise fence_lost(self.redis, self.id, self.epoch, exc) from exc
         finally:
+            self.knnreg.forget(pipe)
             pipe.reset()
 
     def _process_in(self, pipe: Any, entries: list[tuple[bytes, dict[bytes, bytes]]],
@@ -540,6 +574,8 @@ class Executor:
                 self.handle_objects_gone(msg, pipe, notify)
             elif isinstance(msg, wire.QueryPart):
                 self.pending_queries.append((msg, len(self.pending_records)))
+            elif isinstance(msg, wire.KnnRetract):
+                self.knnreg.retract("", msg.ids, msg.epoch)
             elif isinstance(msg, wire.Takeover):
                 self.migration.receive_takeover(msg, pipe, notify)
                 if msg.adopter == self.id:
@@ -564,6 +600,7 @@ class Executor:
                                     names.HISTORY_LAST_TTL_S, *refs[a:a + HISTORY_CHUNK]],
                               client=pipe)
         results = pipe.execute()
+        self.knnreg.settle(pipe, results)
         self._keep_records()
         self.notify(writes, [results[i] for i in slots], notify)
         self.redis.xack(self.stream, names.GROUP, *ids)
@@ -681,7 +718,7 @@ class Executor:
     def handle_subs_added(self, msg: wire.SubsAdded, pipe: Any,
                           notify: dict[str, set[str]]) -> None:
         if not self.replicated and msg.plan_version < self.version:
-            self.migration.forward_subs(msg.subs, pipe)
+            self.migration.forward_subs(msg.subs, pipe, since_version=msg.plan_version)
         self.add_subscriptions(msg.subs, pipe)
         for m in msg.subs:
             if m.spec["type"] == "knn":
@@ -689,21 +726,23 @@ class Executor:
 
     def add_subscriptions(self, subs: list[wire.SubscriptionCopy], pipe: Any = None) -> None:
         for m in subs:
-            if m.id in self.tombstones or m.id in self.sub_msgs:
-                continue  # deleted already (a late copy), or known
+            if m.id in self.tombstones:
+                continue  # deleted already (a late copy)
             if self.replaying and m.id not in self.sql_live:
                 continue  # a pre-crash copy of a subscription deleted since
             spec = m.spec
-            self.sub_msgs[m.id] = m
             assert self.index is not None
+            if spec["type"] == "knn":  # a registration may come again, of a newer epoch
+                if m.id not in self.sub_msgs:
+                    self.round_received += 1
+                    self.ledger.add_query(m.id, rect_of(self.index.grid, spec))
+                self.knnreg.register(m, pipe if pipe is not None else self.redis)
+                continue
+            if m.id in self.sub_msgs:
+                continue  # known
+            self.sub_msgs[m.id] = m
             self.round_received += 1
             self.ledger.add_query(m.id, rect_of(self.index.grid, spec))
-            if spec["type"] == "knn":
-                state = self.knn_state(m.tenant)
-                if m.id not in state.subs:
-                    sub = state.add(knn_sub(m.id, spec))
-                    self.merge_knn(m.tenant, [sub], pipe if pipe is not None else self.redis)
-                continue
             self.subs.add(m.tenant, m.id, spec, m.expires_at)
 
     def handle_subs_removed(self, ids: list[str]) -> None:

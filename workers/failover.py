@@ -221,12 +221,17 @@ class Adoption:
                     self.forwarded += len(msg)
                 elif isinstance(msg, wire.SubsAdded):
                     if msg.plan_version < ex.version:
-                        ex.migration.forward_subs(msg.subs, pipe, owner=self.dead)
+                        ex.migration.forward_subs(msg.subs, pipe, owner=self.dead,
+                                                  since_version=msg.plan_version)
+                    else:  # kNN registrations naming the dead worker stop waiting for it
+                        for m in msg.subs:
+                            if m.spec["type"] == "knn":
+                                ex.knnreg.forward(m, msg.plan_version, self.dead, pipe)
                 elif isinstance(msg, wire.QueryPart):
                     queries.append(msg)
-                # Removals, gone objects and kNN or keyword subscriptions went to every worker
-                # (the live ones have their own copy); a handoff or takeover to the dead worker
-                # is superseded by the failover plan, whose receivers rebuild from SQL.
+                # Removals, gone objects, retractions and keyword subscriptions went to every
+                # worker that holds them; a handoff or takeover to the dead worker is
+                # superseded by the failover plan, whose receivers rebuild from SQL.
             for eid in ids:
                 pipe.set(names.done_key(self.dead, eid.decode()), b"1", ex=24 * 3600)
             pipe.execute()

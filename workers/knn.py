@@ -74,6 +74,10 @@ class KnnSub:
     keywords: frozenset[str]
     match_all: bool
     local: list[Neighbor] = field(default_factory=list)  # nearest first
+    # Only objects within `radius` metres enter the local list: the radius the subscription
+    # is registered with (`workers.knn_reg`), infinite when it is sent to every worker.
+    radius: float = math.inf
+    epoch: int = 0  # of the registration (a newer one replaces it)
 
     def accepts(self, kws: frozenset[str]) -> bool:
         if not self.keywords:
@@ -83,15 +87,17 @@ class KnnSub:
         return not self.keywords.isdisjoint(kws)
 
 
-def knn_sub(sub_id: str, spec: dict[str, Any]) -> KnnSub:
+def knn_sub(sub_id: str, spec: dict[str, Any], radius: float | None = None,
+            epoch: int = 0) -> KnnSub:
     return KnnSub(sub_id, float(spec["point"][0]), float(spec["point"][1]), int(spec["k"]),
-                  frozenset(spec.get("keywords") or ()), spec.get("match", "any") == "all")
+                  frozenset(spec.get("keywords") or ()), spec.get("match", "any") == "all",
+                  radius=math.inf if radius is None else radius, epoch=epoch)
 
 
 def top_k(window: LiveWindow, sub: KnnSub) -> list[tuple[float, str, float, float]]:
     """The k records of the window nearest to the subscription's point that satisfy its
-    keyword predicate, as (distance rounded to the millimetre, id, lon, lat), ties broken by
-    id: the brute-force statement of `KnnState`'s lists (tests)."""
+    keyword predicate, within its radius, as (distance rounded to the millimetre, id, lon,
+    lat), ties broken by id: the brute-force statement of `KnnState`'s lists (tests)."""
     ids, lons, lats = [], [], []
     for source in (window.moving, window.events):
         for oid, (lon, lat, kws) in source.items():
@@ -103,7 +109,8 @@ def top_k(window: LiveWindow, sub: KnnSub) -> list[tuple[float, str, float, floa
         return []
     d = [round(x, 3) for x in
          haversine_m(sub.lon, sub.lat, np.asarray(lons), np.asarray(lats)).tolist()]
-    order = sorted(range(len(ids)), key=lambda i: (d[i], ids[i]))[:sub.k]
+    order = sorted((i for i in range(len(ids)) if d[i] <= sub.radius),
+                   key=lambda i: (d[i], ids[i]))[:sub.k]
     return [(d[i], ids[i], lons[i], lats[i]) for i in order]
 
 
@@ -148,8 +155,10 @@ class Reach:
     def update(self, sub: KnnSub) -> None:
         i = self._slot_of(sub)
         full = len(sub.local) >= sub.k
-        self.kth[i] = sub.local[-1][0] if full else math.inf
-        need = sub.local[-1][0] + 0.01 if full else math.inf
+        # a list holding fewer than k takes whatever comes within its radius
+        bound = sub.local[-1][0] if full else sub.radius
+        self.kth[i] = bound
+        need = bound + 0.01
         held = self.registered.get(i)
         if held is not None:
             if held[1] and held[0] / 4 <= need <= held[0]:
@@ -158,7 +167,7 @@ class Reach:
                 return  # fewer than k: checked against every arrival
         self._unregister(i)
         cells: list[int] = []
-        radius = need * 1.5
+        radius = min(need * 1.5, sub.radius + 0.01)
         if math.isfinite(radius):
             x0, y0, x1, y1 = self.grid.cell_range(circle_bbox(sub.lon, sub.lat, radius))
             if (x1 - x0 + 1) * (y1 - y0 + 1) <= MAX_REACH_CELLS:
@@ -292,19 +301,19 @@ class KnnState:
 
     # --- the subscriptions -----------------------------------------------------------------
     def add(self, sub: KnnSub) -> KnnSub:
-        self.remove(sub.id)
+        self.remove(sub.id, keep_index=True)
         if self.points is None:
             self._build_index()
         self.subs[sub.id] = sub
         self._set_local(sub, self._search(sub))
         return sub
 
-    def remove(self, sub_id: str) -> KnnSub | None:
+    def remove(self, sub_id: str, keep_index: bool = False) -> KnnSub | None:
         sub = self.subs.pop(sub_id, None)
         if sub is not None:
             self._set_local(sub, [])
             self.reach.remove(sub_id)
-        if not self.subs:
+        if not self.subs and not keep_index:
             self.points = None
             self.members.clear()
             self._moved.clear()
@@ -323,7 +332,7 @@ class KnnState:
     def _search(self, sub: KnnSub) -> list[Neighbor]:
         assert self.points is not None
         return self.points.nearest(sub.lon, sub.lat, sub.k,
-                                   sub.accepts if sub.keywords else None)
+                                   sub.accepts if sub.keywords else None, sub.radius)
 
     def _set_local(self, sub: KnnSub, new: list[Neighbor]) -> None:
         for n in sub.local:
@@ -387,7 +396,8 @@ class KnnState:
             rest = [sub for sid, sub in self.subs.items() if sid not in again]
             for sub, entering in self._entering(rest, cands):
                 mine = {n[4] for n in sub.local}  # placed before the subscription's search
-                merged = sorted(sub.local + [n for n in entering if n[4] not in mine])[:sub.k]
+                merged = sorted(sub.local + [n for n in entering if n[4] not in mine
+                                             and n[0] <= sub.radius])[:sub.k]
                 if merged != sub.local:
                     self._set_local(sub, merged)
                     changed[sub.id] = sub
@@ -404,12 +414,14 @@ class KnnState:
         for key in keys:
             assert self.points is not None
             held = self.points.get(key)
-            if held is None or (sub.keywords and not sub.accepts(held[3])):
+            n = None
+            if held is not None and (not sub.keywords or sub.accepts(held[3])):
+                _, x, y, _kws = held
+                n = (round(float(haversine_m(sub.lon, sub.lat, x, y)), 3), key[1], x, y, key)
+            if n is None or n[0] > sub.radius:
                 if full:
                     return None
-                continue  # fewer than k: every object it accepts was in the list
-            _, x, y, _kws = held
-            n = (round(float(haversine_m(sub.lon, sub.lat, x, y)), 3), key[1], x, y, key)
+                continue  # fewer than k: every object it accepts within reach was listed
             if full and kth is not None and n[:2] > kth:
                 return None
             out.append(n)

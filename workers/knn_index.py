@@ -178,17 +178,22 @@ class PointIndex:
             return occupied
         return self._occupied
 
-    def nearest(self, lon: float, lat: float, k: int, accepts: Accepts | None = None
-                ) -> list[Neighbor]:
-        """The k points nearest to (lon, lat) that `accepts` takes (all without it), ordered
-        by (distance rounded to the millimetre, id)."""
+    def nearest(self, lon: float, lat: float, k: int, accepts: Accepts | None = None,
+                within: float = math.inf) -> list[Neighbor]:
+        """The k points nearest to (lon, lat) that `accepts` takes (all without it) and lie
+        within `within` metres, ordered by (distance rounded to the millimetre, id)."""
         if k <= 0 or not self.where:
             return []
         near = self._nearest_in_block(lon, lat, k, accepts)
         if near is not None:
-            return near
+            return [n for n in near if n[0] <= within]
         cid, x0, y0, x1, y1, cos_min = self._cells()
         bound = mindist_m(lon, lat, x0, y0, x1, y1, cos_min)
+        if math.isfinite(within):  # only the cells that reach within the radius
+            keep = np.flatnonzero(bound <= within + _SLACK_M)
+            if not keep.size:
+                return []
+            cid, bound = cid[keep], bound[keep]
         best: list[Neighbor] = []
         # The nearest cells first (a partial sort); the rest only when they can matter.
         m = min(FIRST_CELLS, len(bound))
@@ -203,7 +208,7 @@ class PointIndex:
             others = others[np.argsort(bound[others], kind="stable")]
             self._scan(lon, lat, k, accepts, cid, bound, others, best)
         best.sort()
-        return best
+        return [n for n in best if n[0] <= within] if math.isfinite(within) else best
 
     def _scan(self, lon: float, lat: float, k: int, accepts: Accepts | None,
               cid: npt.NDArray[np.int64], bound: F64, order: npt.NDArray[np.intp],

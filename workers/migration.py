@@ -19,10 +19,11 @@ import numpy as np
 
 from app.geo import balance
 from app.geo.index import GlobalIndex, Partition, Plan
-from app.pipeline import names, wire
+from app.pipeline import knnreg, names, wire
 from app.pipeline.control import plan_cas_args
 from app.pipeline.router import targets_for_spec
 from workers.decide import known
+from workers.knn import MOVING
 
 if TYPE_CHECKING:
     from workers.executor import Executor
@@ -100,18 +101,24 @@ class Migration:
         return local
 
     def forward_subs(self, subs: list[wire.SubscriptionCopy], pipe: Any,
-                     owner: str | None = None) -> None:
-        """Subscriptions routed with an older plan to `owner` (this worker unless adopted):
-        also send them to the other workers that own their regions now (adding is
-        idempotent; deleted ids are tombstoned)."""
+                     owner: str | None = None, since_version: int = 0) -> None:
+        """Subscriptions routed with an older plan (`since_version`) to `owner` (this worker
+        unless adopted): also send them to the other workers that own their regions now
+        (adding is idempotent; deleted ids are tombstoned). kNN registrations go to the
+        owners within their radius under every newer plan (`KnnRegistry.forward`)."""
         ex = self.ex
         ex.load_plan()
         assert ex.index is not None
         owner = owner or ex.id
         fwd: dict[str, list[wire.SubscriptionCopy]] = {}
         for m in subs:
-            if m.spec["type"] != "range" or m.id in ex.tombstones:
-                continue  # keyword and kNN subscriptions are on every worker already
+            if m.id in ex.tombstones:
+                continue
+            if m.spec["type"] == "knn":
+                ex.knnreg.forward(m, since_version, owner, pipe)
+                continue
+            if m.spec["type"] != "range":
+                continue  # keyword subscriptions are on every worker already
             for w in targets_for_spec(ex.index, m.spec):
                 if w != owner:
                     fwd.setdefault(w, []).append(m)
@@ -137,7 +144,7 @@ class Migration:
             # seen early in a plan reload: seed it again, now with what the handoff brings
             ledger.stats.pop(pid, None)
         ledger.receive_window(msg.window)
-        ex.add_subscriptions(msg.subs, pipe)
+        ex.add_subscriptions(msg.subs, pipe)  # kNN registrations among them report at once
         parts = {p.id: p for p in ex.owned()}
         for pid, exported in msg.stats.items():
             if pid in parts:  # else it moved on again meanwhile
@@ -151,6 +158,15 @@ class Migration:
             if changed:
                 ex.merge_knn(tenant, changed, pipe)
                 notify.setdefault(tenant, set()).update(s.id for s in changed)
+        # The merged lists that held the objects handed off waited for us: we hold them now.
+        token = knnreg.hold_field(msg.plan_version, ex.id)
+        for sid in msg.holds:
+            held = next(((t, st.subs[sid]) for t, st in ex.knn.items() if sid in st.subs), None)
+            if held is None:
+                pipe.hdel(names.knn_key(sid), token)
+            else:
+                ex.merge_knn(held[0], [held[1]], pipe, clear=(token,))
+                notify.setdefault(held[0], set()).add(sid)
         log.info("worker %s received %s from %s (plan %d): %d subscriptions",
                  ex.id, msg.partitions, msg.sender, msg.plan_version, len(msg.subs))
 
@@ -165,11 +181,13 @@ class Migration:
         ex.sync_stats()
         taken = set(msg.partitions)
         parts = [p for p in ex.owned() if p.id in taken]
-        ex.rebuild_subscriptions(parts, pipe)
+        # The dead worker's lists, and the tokens waiting for it, leave every kNN hash
+        # first; then the registrations reaching the partitions taken report.
+        msgs = ex.sql_subscriptions()
+        ex.knnreg.drop_worker([m.id for m in msgs if m.spec["type"] == "knn"], msg.dead, pipe)
+        ex.rebuild_subscriptions(parts, pipe, msgs)
         ex.rebuild_positions(parts)
         for tenant, state in ex.knn.items():
-            for sub in state.subs.values():
-                pipe.hdel(names.knn_key(sub.id), msg.dead)
             if state.subs:
                 ex.merge_knn(tenant, list(state.subs.values()), pipe)
                 notify.setdefault(tenant, set()).update(state.subs)
@@ -189,6 +207,7 @@ class Migration:
         for p in given:
             by_worker.setdefault(p.worker, []).append(p)
         handoffs: list[tuple[str, bytes]] = []
+        holds: list[tuple[str, str, str]] = []
         leaving: list[tuple[str, list[str]]] = []
         ledger = ex.ledger
         old_rects = {(q.x0, q.y0, q.x1, q.y1): q.id for q in old.partitions
@@ -205,26 +224,40 @@ class Migration:
             def inside(lon: Any, lat: Any, f: Any = inside_cells) -> Any:
                 return f(*grid.cells_of(lon, lat))
 
+            def reaches(box: Any, parts: list[Partition] = parts) -> bool:
+                rect = grid.cell_range(box)
+                return any(p.overlaps(*rect) for p in parts)
+
             subs = [ex.sub_msgs[sid] for sid, rect in ledger.sub_rect.items()
                     if ex.sub_msgs[sid].spec["type"] == "range"
                     and any(p.overlaps(*rect) for p in parts)]
             win = ledger.export_window(inside_cells, taken)
             mv: dict[str, list[wire.MovingObject]] = {}
+            held: set[str] = set()
             for tenant, state in ex.knn.items():
+                subs += ex.knnreg.handoff(state, reaches)
                 objs = state.objects.moving_in(inside)
                 if objs:
                     mv[tenant] = objs
                     leaving.append((tenant, [o[0] for o in objs]))
+                    # lists holding an object handed off wait for the receiver to take it
+                    for o in objs:
+                        for sid in state.members.get((MOVING, o[0]), ()):
+                            if sid not in held:
+                                held.add(sid)
+                                holds.append((names.knn_key(sid),
+                                              knnreg.hold_field(new_plan.version, w),
+                                              str(state.subs[sid].epoch)))
             # A partition moved whole takes its statistics along (R of the last round
             # included); the halves of a split are seeded from the window instead.
             shipped = {p.id: ledger.stats[old_rects[(p.x0, p.y0, p.x1, p.y1)]].export()
                        for p in parts if (p.x0, p.y0, p.x1, p.y1) in old_rects}
             handoffs.append((names.worker_stream(w), wire.encode_entry(wire.Handoff(
                 plan_version=new_plan.version, sender=ex.id, partitions=[p.id for p in parts],
-                subs=subs, window=win, moving=mv, stats=shipped))))
+                subs=subs, window=win, moving=mv, stats=shipped, holds=sorted(held)))))
         plan_json = new_plan.to_json()
         keys, args = plan_cas_args(old.version, plan_json, new_plan.version, time.time(),
-                                   names.PLAN_CHANNEL, handoffs)
+                                   names.PLAN_CHANNEL, handoffs, holds)
         if not ex.plan_cas(keys=keys, args=args):
             raise CommandRefused(f"the plan is no longer version {old.version}")
         ex.set_index(GlobalIndex(new_plan))
@@ -241,7 +274,7 @@ class Migration:
                 if changed:
                     ex.merge_knn(tenant, changed, pipe)
                     notify.setdefault(tenant, set()).update(s.id for s in changed)
-            pipe.execute()
+            ex.knnreg.settle(pipe, pipe.execute())
             ex.notify([], [], notify)
         log.info("worker %s published plan %d: gave %s", ex.id, new_plan.version,
                  {w: [p.id for p in ps] for w, ps in by_worker.items()})

@@ -46,6 +46,9 @@ class Settings(BaseSettings):
     partitioning: Literal["swarm", "uniform", "history", "replicated"] = "swarm"
     history_sample: Path | None = None  # NDJSON sample for partitioning=history (SWARM §6)
     balance_period_s: float = 15.0
+    # continuous kNN: send every subscription to every worker (the baseline the bounded
+    # registrations of app.pipeline.knnreg are measured against)
+    knn_broadcast: bool = False
     balance_beta: int = 20
     admin_rebalance_timeout_s: float = 30.0  # POST /v1/admin/rebalance waits this long (503)
 

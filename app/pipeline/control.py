@@ -26,21 +26,29 @@ from typing import Any
 
 from app.pipeline import names
 
-# KEYS[1] = plan, KEYS[2] = plan history, KEYS[3..] = streams receiving a handoff.
+# KEYS[1] = plan, KEYS[2] = plan history, KEYS[3..2+n] = the n streams receiving a handoff,
+# KEYS[3+n..] = kNN hashes whose merged list waits for a receiver (app.pipeline.knnreg).
 # ARGV[1] = expected version, ARGV[2] = new plan JSON, ARGV[3] = new version, ARGV[4] = now,
-# ARGV[5] = plan channel, ARGV[6] = history entry JSON, ARGV[7..] = handoff payloads (packed).
+# ARGV[5] = plan channel, ARGV[6] = history entry JSON, ARGV[7] = n,
+# ARGV[8..7+n] = handoff payloads (packed), ARGV[8+n] = history length,
+# then per kNN hash: field, value (the hold token).
 # Returns 1 when applied, 0 when the stored plan is not at the expected version.
 PLAN_CAS_SCRIPT = """
 local raw = redis.call('GET', KEYS[1])
 if not raw then return 0 end
 local cur = cjson.decode(raw)
 if tostring(cur['version']) ~= ARGV[1] then return 0 end
-for i = 3, #KEYS do
-  redis.call('XADD', KEYS[i], '*', 'm', ARGV[4 + i])
+local n = tonumber(ARGV[7])
+for i = 1, n do
+  redis.call('XADD', KEYS[2 + i], '*', 'm', ARGV[7 + i])
+end
+for i = 3 + n, #KEYS do
+  local a = 9 + n + 2 * (i - 3 - n)
+  redis.call('HSET', KEYS[i], ARGV[a], ARGV[a + 1])
 end
 redis.call('SET', KEYS[1], ARGV[2])
 redis.call('RPUSH', KEYS[2], ARGV[6])
-redis.call('LTRIM', KEYS[2], -tonumber(ARGV[7 + #KEYS - 2] or 1000), -1)
+redis.call('LTRIM', KEYS[2], -tonumber(ARGV[8 + n]), -1)
 redis.call('PUBLISH', ARGV[5], ARGV[3])
 return 1
 """
@@ -53,10 +61,17 @@ def history_entry(plan_json: str, version: int, now: float) -> str:
 
 
 def plan_cas_args(expected: int, plan_json: str, version: int, now: float, channel: str,
-                  handoffs: list[tuple[str, bytes]]) -> tuple[list[str], list[Any]]:
-    """KEYS and ARGV for PLAN_CAS_SCRIPT. `handoffs` = [(stream, packed message)]."""
-    keys = [names.PLAN_KEY, names.PLAN_HISTORY, *(s for s, _ in handoffs)]
+                  handoffs: list[tuple[str, bytes]],
+                  holds: list[tuple[str, str, str]] | None = None
+                  ) -> tuple[list[str], list[Any]]:
+    """KEYS and ARGV for PLAN_CAS_SCRIPT. `handoffs` = [(stream, packed message)], `holds` =
+    [(kNN hash, token field, value)]."""
+    holds = holds or []
+    keys = [names.PLAN_KEY, names.PLAN_HISTORY, *(s for s, _ in handoffs),
+            *(h for h, _, _ in holds)]
     args: list[Any] = [str(expected), plan_json, str(version), repr(now), channel,
-                       history_entry(plan_json, version, now), *(m for _, m in handoffs),
-                       str(names.PLAN_HISTORY_MAX)]
+                       history_entry(plan_json, version, now), str(len(handoffs)),
+                       *(m for _, m in handoffs), str(names.PLAN_HISTORY_MAX)]
+    for _, f, v in holds:
+        args += [f, v]
     return keys, args

@@ -35,7 +35,7 @@ import redis.asyncio as aioredis
 from app.core.config import Settings
 from app.core.metrics import COUNT_QUERIES
 from app.geo.grid import Grid
-from app.geo.index import GlobalIndex, Plan
+from app.geo.index import GlobalIndex
 from app.pipeline import names, wire
 from app.pipeline.cluster import entry_order, heartbeat_fresh
 from app.pipeline.records import public_record
@@ -103,8 +103,6 @@ class QueryService:
         self.settings = settings
         self.redis = redis
         self.router = router
-        # plan version -> (valid_from, its index): an index costs milliseconds to build
-        self._history: dict[int, tuple[float, GlobalIndex]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
 
     # --- the public side -----------------------------------------------------------------
@@ -340,51 +338,12 @@ class QueryService:
             return sorted(index.workers)
         workers = plan_workers(index, query)
         horizon = now - self.settings.window_s - self.settings.bucket_s
-        plans = await self._plans_since(horizon, index)
+        plans = await self.router.plans_since(horizon, index)
         if plans is None:  # the plans of part of the window are unknown: ask everyone
             return sorted(index.workers)
         for plan in plans:
             workers |= plan_workers(plan, query)
         return sorted(workers)
-
-    async def _plans_since(self, horizon: float, current: GlobalIndex
-                           ) -> list[GlobalIndex] | None:
-        """The plans (of the current worker set) valid at some time since `horizon`, from
-        the plan history, or None when the history does not reach back that far."""
-        await self._read_history()
-        members = sorted(current.workers)
-        out: list[GlobalIndex] = []
-        for version in sorted(self._history, reverse=True):
-            if version > current.version:
-                continue
-            valid_from, plan = self._history[version]
-            if sorted(plan.workers) != members:
-                return None  # the cluster was resized meanwhile
-            out.append(plan)
-            if valid_from <= horizon:
-                return out
-        return out if self._history and min(self._history) == 1 else None
-
-    async def _read_history(self) -> None:
-        """New entries of `names.PLAN_HISTORY` into the cache (the list only grows at its
-        end; read from the end until a known version)."""
-        n = 1
-        while True:
-            raw = await self.redis.lrange(names.PLAN_HISTORY, -n, -1)
-            entries = [orjson.loads(r) for r in raw]
-            known = any(int(e["version"]) in self._history for e in entries)
-            for e in entries:
-                version = int(e["version"])
-                if version not in self._history:
-                    self._history[version] = (float(e["valid_from"]),
-                                              GlobalIndex(Plan.from_dict(e["plan"])))
-            if known or len(raw) < n:
-                break
-            n *= 4
-        if len(self._history) > 2 * names.PLAN_HISTORY_MAX:
-            for version in sorted(self._history)[:-names.PLAN_HISTORY_MAX]:
-                del self._history[version]
-
 
 def whole_cells(grid: Grid, bbox: tuple[float, float, float, float]
                 ) -> tuple[int, int, int, int] | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import secrets
 import time
 import zlib
@@ -21,7 +22,7 @@ from app.geo.grid import Grid
 from app.geo.history import history_plan, sample_cells
 from app.geo.index import GlobalIndex, Plan, initial_plan
 from app.models import Subscription
-from app.pipeline import names, records, wire
+from app.pipeline import knnreg, names, records, wire
 from app.pipeline.cluster import ALLOCATE_IDS_SCRIPT, live_workers, load_plan, part_seq_floor
 from app.pipeline.control import history_entry
 
@@ -187,6 +188,10 @@ class Router:
         self._lock = asyncio.Lock()
         self.replicated = settings.partitioning == "replicated"
         self._rr = 0  # replicated mode: round-robin position of the next event
+        self.history = knnreg.PlanHistory()
+        # tenant -> (when read, cell -> records in the window): the first radius of kNN
+        # registrations (one read serves the subscriptions created in the same second)
+        self._cell_totals: dict[str, tuple[float, dict[int, int]]] = {}
 
     # --- the plan ------------------------------------------------------------------------
     async def current_index(self) -> GlobalIndex:
@@ -207,6 +212,17 @@ class Router:
                 self.index = GlobalIndex(plan)
                 log.info("router loaded plan version %d (%d partitions)", plan.version,
                          len(plan.partitions))
+
+    async def plans_since(self, horizon: float, current: GlobalIndex
+                          ) -> list[GlobalIndex] | None:
+        """The plans valid at some time since `horizon` (`knnreg.PlanHistory.since`)."""
+        n = 1
+        while True:  # as PlanHistory.read, with the async client
+            raw = await self.redis.lrange(names.PLAN_HISTORY, -n, -1)
+            if self.history.absorb(raw) or len(raw) < n:
+                break
+            n *= 4
+        return self.history.since(horizon, current)
 
     async def live_workers(self, now: float) -> list[str]:
         raw = await self.redis.hgetall(names.WORKERS_KEY)
@@ -372,14 +388,74 @@ class Router:
     async def add_subscriptions(self, rows: list[Subscription]) -> None:
         index = await self.current_index()
         per_worker: dict[str, list[wire.SubscriptionCopy]] = {}
-        for row in rows:
-            for w in targets_for_spec(index, row.spec, replicated=self.replicated):
-                per_worker.setdefault(w, []).append(subscription_message(row))
         pipe = self.redis.pipeline(transaction=True)
+        knn = [r for r in rows if r.spec["type"] == "knn"]
+        regs = await self.knn_registrations(index, knn) if knn else {}
+        for row in rows:
+            msg = subscription_message(row)
+            reg = regs.get(row.id)
+            if reg is None:
+                targets = targets_for_spec(index, row.spec, replicated=self.replicated)
+            else:
+                radius, targets = reg
+                msg = wire.SubscriptionCopy(
+                    id=row.id, tenant=row.tenant, spec=row.spec, expires_at=row.expires_at,
+                    radius_m=radius if math.isfinite(radius) else None, epoch=1)
+                key = names.knn_key(row.id)
+                fields: dict[Any, Any] = knnreg.register_fields(1, radius, targets)
+                pipe.hset(key, mapping=fields)
+                pipe.expire(key, 30 * 24 * 3600)
+            for w in targets:
+                per_worker.setdefault(w, []).append(msg)
         for w, subs in per_worker.items():
             pipe.xadd(names.worker_stream(w), {b"m": wire.encode_entry(
                 wire.SubsAdded(subs=subs, plan_version=index.version))})
         await pipe.execute()
+
+    async def knn_registrations(self, index: GlobalIndex, rows: list[Subscription]
+                                ) -> dict[str, tuple[float, set[str]]]:
+        """Each kNN subscription's first radius and workers (`app.pipeline.knnreg`): every
+        worker, unbounded, in the baseline modes (replicated, broadcast)."""
+        if self.replicated or self.settings.knn_broadcast:
+            return {r.id: (math.inf, set(index.workers)) for r in rows}
+        now = time.time()
+        horizon = now - self.settings.window_s - self.settings.bucket_s
+        out: dict[str, tuple[float, set[str]]] = {}
+        for row in rows:
+            totals = await self._tenant_cell_totals(row.tenant, index, now)
+            spec: dict[str, Any] = row.spec
+            lon, lat = float(spec["point"][0]), float(spec["point"][1])
+            radius = knnreg.initial_radius(index.grid, lon, lat, int(spec["k"]), totals)
+            workers = (set(index.workers) if not math.isfinite(radius) else
+                       await self._circle_workers(index, horizon, lon, lat, radius))
+            out[row.id] = (radius, workers)
+        return out
+
+    async def _circle_workers(self, index: GlobalIndex, horizon: float, lon: float,
+                              lat: float, radius: float) -> set[str]:
+        plans = await self.plans_since(horizon, index)
+        if plans is None:
+            return set(index.workers)
+        return knnreg.circle_workers([index, *plans], lon, lat, radius)
+
+    async def _tenant_cell_totals(self, tenant: str, index: GlobalIndex, now: float
+                                  ) -> dict[int, int]:
+        held = self._cell_totals.get(tenant)
+        if held is not None and now - held[0] < 1.0:
+            return held[1]
+        s = self.settings
+        horizon = int((now - s.window_s) // s.bucket_s)
+        fields = [names.cell_counts_field(tenant, b)
+                  for b in range(horizon, int(now // s.bucket_s) + 3)]
+        pipe = self.redis.pipeline(transaction=False)
+        for w in index.workers:
+            pipe.hmget(names.cell_counts_key(w), fields)
+        got = await pipe.execute()
+        totals = knnreg.cell_totals((r for per in got for r in per), horizon)
+        self._cell_totals[tenant] = (now, totals)
+        if len(self._cell_totals) > 1000:
+            self._cell_totals.clear()
+        return totals
 
     async def remove_subscriptions(self, rows: list[Subscription],
                                    reason: str = "deleted") -> None:
@@ -391,7 +467,8 @@ class Router:
         # A subscription that is gone cannot be read or resumed: its history and the marker
         # that outlives it (30 days) go too.
         for r in rows:
-            pipe.delete(names.history_key(r.id), names.history_last_key(r.id))
+            pipe.delete(names.history_key(r.id), names.history_last_key(r.id),
+                        names.knn_key(r.id))
         await pipe.execute()
         ids = [r.id for r in rows]
         gone = wire.SubsGone(expired=ids) if reason == "expired" else wire.SubsGone(deleted=ids)

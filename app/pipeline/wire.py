@@ -3,7 +3,7 @@ decoder per stream or channel (msgpack through msgspec, which decodes and valida
 step). Field names say what they are; the short keys on the wire stay short through renaming.
 
 - a worker's stream (`names.worker_stream`): `WorkerEntry` = ObjectBatch | SubsAdded |
-  SubsRemoved | ObjectsGone | Handoff | QueryPart | Takeover, in field `m`;
+  SubsRemoved | ObjectsGone | Handoff | QueryPart | Takeover | KnnRetract, in field `m`;
 - a worker's window log (`names.window_stream`): the ObjectBatch of records it stored;
 - a snapshot query's reply list (`names.query_reply_key`): QueryReply;
 - a worker's command stream (`names.command_stream`): `Command` = RoundCommand |
@@ -31,6 +31,10 @@ class SubscriptionCopy(msgspec.Struct, frozen=True):
     tenant: str
     spec: dict[str, Any]
     expires_at: float | None = None
+    # kNN: the registration (`app.pipeline.knnreg`): objects within `radius_m` metres of the
+    # point enter the worker's local list (None: any); a higher `epoch` replaces a lower one.
+    radius_m: float | None = None
+    epoch: int = 0
 
 
 class ObjectBatch(msgspec.Struct, tag="obj", tag_field="t", rename={
@@ -92,6 +96,15 @@ class SubsRemoved(msgspec.Struct, tag="sub-", tag_field="t"):
     ids: list[str]
 
 
+class KnnRetract(msgspec.Struct, tag="knn-", tag_field="t"):
+    """A kNN subscription's registration of epoch `epoch` leaves this worker out (its radius
+    shrank or its partitions moved): a registration older than that is dropped here, without
+    tombstoning the subscription (a later registration may bring it back)."""
+
+    ids: list[str]
+    epoch: int
+
+
 class ObjectsGone(msgspec.Struct, tag="gone", tag_field="t", rename={"tenant": "tn"}):
     """Moving objects that outlived their TTL and left the latest-position store: workers
     drop them from their kNN state. Written by `app.pipeline.expiry`'s Lua script (a msgpack
@@ -122,6 +135,9 @@ class Handoff(msgspec.Struct, tag="handoff", tag_field="t", rename={
     window: list[WindowCounts]
     moving: dict[str, list[MovingObject]]
     stats: dict[str, Any] = {}
+    # kNN subscriptions whose merged list waits for the receiver (`holds` in knnreg): their
+    # lists held some of the moving objects handed off
+    holds: list[str] = []
 
 
 class Takeover(msgspec.Struct, tag="take", tag_field="t", rename={
@@ -248,7 +264,7 @@ def decode_query_reply(data: bytes) -> QueryReply:
 
 
 WorkerEntry = (ObjectBatch | SubsAdded | SubsRemoved | ObjectsGone | Handoff | QueryPart
-               | Takeover)
+               | Takeover | KnnRetract)
 
 _entry_encoder = msgspec.msgpack.Encoder()
 _entry_decoder = msgspec.msgpack.Decoder(WorkerEntry)

@@ -283,3 +283,124 @@ def test_exact_delivery_in_baseline_modes(mode: str, tmp_path: Any, embedded_red
         asyncio.run(_exact_workload(server, seed=17))
     finally:
         server.stop()
+
+
+def drained(client: redis.Redis, workers: list[str]) -> bool:
+    """Every entry of the workers' streams was read and acknowledged."""
+    for w in workers:
+        stream = names.worker_stream(w)
+        last = client.xinfo_stream(stream)["last-generated-id"]
+        group = next(g for g in client.xinfo_groups(stream)
+                     if g["name"] in (names.GROUP, names.GROUP.encode()))
+        if group["pending"] or group["last-delivered-id"] != last:
+            return False
+    return True
+
+
+async def wait_drained(client: redis.Redis, workers: list[str], timeout: float = 20.0) -> None:
+    give_up = time.monotonic() + timeout
+    while not drained(client, workers):
+        assert time.monotonic() < give_up, "the workers did not catch up"
+        await asyncio.sleep(0.003)
+
+
+KNN_SPECS: list[dict[str, Any]] = [
+    {"type": "knn", "point": [0.0, 0.0], "k": 5},
+    {"type": "knn", "point": [0.3, 0.1], "k": 3, "keywords": ["taxi"]},
+    {"type": "knn", "point": [-1.0, 0.5], "k": 4},
+    {"type": "knn", "point": [1.5, -0.5], "k": 2},
+    {"type": "knn", "point": [-0.2, -0.3], "k": 6, "keywords": ["taxi", "bus"], "match": "all"},
+]
+
+
+def test_every_knn_list_was_a_true_top_k(cluster: LiveServer) -> None:
+    """One update at a time (the workers drained in between), objects crossing the
+    partition borders, jumping far away and back (the registrations' radii grow and shrink),
+    and partitions holding the query points moving and splitting every 15 updates: every list
+    pushed is the oracle's top-k of the live set after some update, in the order of the
+    updates, and the last one is that of the final set."""
+    asyncio.run(_knn_history(cluster))
+
+
+async def _knn_history(server: LiveServer) -> None:
+    from tests.workers.oracle import knn_oracle, record_keywords
+
+    rng = random.Random(14)
+    client = redis.Redis.from_url(server.redis_url)
+    workers = ["w0", "w1", "w2"]
+    key = server.new_key()
+    live: dict[str, tuple[float, float, list[str]]] = {}
+    states: list[dict[str, tuple[float, float, list[str]]]] = [dict(live)]
+
+    def reshape(i: int) -> None:
+        plan = plan_of(server)
+        px, py = KNN_SPECS[i % len(KNN_SPECS)]["point"]
+        pid, w = owner(plan, px, py)
+        other = sorted(set(workers) - {w})[i % 2]
+        p = next(q for q in plan.partitions if q.id == pid)
+        if i % 2 == 0 and p.width > 1:
+            msg: dict[str, Any] = {"t": "split", "partition": pid, "axis": "x",
+                                   "at": min(max(p.x0, 499), p.x1 - 1), "moved": "low",
+                                   "to": other}
+        else:
+            msg = {"t": "move", "partitions": [pid], "to": other}
+        reply = command(server, w, msg)
+        assert reply is not None and reply["ok"], reply
+
+    async with httpx.AsyncClient(base_url=server.base_url, timeout=30) as http:
+        headers = {"Authorization": f"Bearer {key}"}
+        r = await http.post("/v1/subscriptions/batch", json={"subscriptions": KNN_SPECS},
+                            headers=headers)
+        assert r.status_code == 201, r.text
+        ids = r.json()["ids"]
+        listener = Listener(server.ws_url, key)
+        await listener.connect()
+        await listener.listen(ids)
+        await asyncio.to_thread(reshape, 0)
+        clock = 1000.0
+        for step in range(150):
+            clock += 1
+            vid = f"v{rng.randint(0, 24)}"
+            roll = rng.random()
+            if roll < 0.5 and vid in live:  # a short move (often across lon 0)
+                x, y = live[vid][0] + rng.uniform(-0.4, 0.4), live[vid][1] + rng.uniform(-.3, .3)
+            elif roll < 0.85:
+                x, y = rng.uniform(-2, 2), rng.uniform(-1, 1)
+            else:  # far away: lists lose it, radii grow
+                x, y = rng.uniform(40, 60), rng.uniform(20, 40)
+            obj: dict[str, Any] = {"lon": x, "lat": y, "ts": clock,
+                                   "keywords": rng.sample(["taxi", "bus", "car"],
+                                                          rng.randint(0, 2))}
+            if rng.random() < 0.85:
+                obj["id"] = vid
+            r = await http.post("/v1/objects", json={"objects": [obj]}, headers=headers)
+            assert r.status_code == 202, r.text
+            live[r.json()["ids"][0]] = (x, y, record_keywords(obj))
+            states.append(dict(live))
+            await wait_drained(client, workers)
+            if step % 15 == 14:
+                await asyncio.to_thread(reshape, step // 15 + 1)
+                await wait_drained(client, workers)
+
+        # A list is pushed when its membership or order changes (not for a distance alone):
+        # lists are compared by their ids in order.
+        def lists(sid: str) -> list[list[str]]:
+            return [[n["id"] for n in m["neighbors"]] for m in listener.messages
+                    if m["type"] == "knn" and m["subscription"] == sid]
+
+        oracle = knn_oracle
+
+        final = {sid: oracle(spec, live) for sid, spec in zip(ids, KNN_SPECS, strict=True)}
+        assert await wait_for(lambda: all(lists(s) and lists(s)[-1] == final[s] for s in ids),
+                              30), {s: (lists(s)[-1:], final[s]) for s in ids
+                                    if not lists(s) or lists(s)[-1] != final[s]}
+        for sid, spec in zip(ids, KNN_SPECS, strict=True):
+            truth = [oracle(spec, st) for st in states]
+            at = 0
+            for got in lists(sid):
+                # the first state from `at` on whose top-k this list is
+                j = next((j for j in range(at, len(truth)) if truth[j] == got), None)
+                assert j is not None, (sid, got, "is the top-k of no state after", at,
+                                       truth[at])
+                at = j
+        await listener.close()

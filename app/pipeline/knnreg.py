@@ -1,0 +1,291 @@
+"""Where a continuous kNN subscription is registered, and how its workers' lists are merged.
+
+A kNN subscription is registered with a radius R on the workers that can hold objects within
+R of its point: the owners of the partitions the circle overlaps under the current plan and
+under every plan valid within the live window (events stay on the worker that stored them;
+SWARM §5.2's partition chains). Each of them keeps the k nearest objects *within R* it holds
+(`workers.knn`), and the merge script below combines their lists in the subscription's hash
+`names.knn_key` (SSTD §6.3's merger, run by Redis: one decision point). The union holds the
+k nearest overall as soon as it has k objects, since everything outside R is farther; with
+fewer than k it is not a true top-k, so nothing is pushed and the radius grows. A list whose
+k-th is far inside R makes the radius shrink, which retracts it from the workers that no
+longer need it. The first radius comes from the workers' per-cell counts (AQWA §5: cells by
+their farthest point, until they hold k records).
+
+The hash holds, besides each registered worker's local list under its id:
+- `_e`: the registration's epoch (a resize makes the next one; reports of an older epoch are
+  ignored) and `_r`: its radius in metres (-1: unbounded, on every worker);
+- `_p:<worker>` = epoch: a worker the registration was sent to and that has not reported yet;
+- `_h:<plan version>:<worker>` = epoch: a handoff in flight to `worker` carries moving objects
+  some local list held; the merged list waits until the receiver took them in.
+No list is pushed while a token of the current epoch is pending. A registration that reaches
+a worker after the plan changed is forwarded by it to the owners under the newer plan, each
+with its token (`workers.migration`), as range subscriptions are.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import numpy as np
+import orjson
+
+from app.geo.geometry import haversine_m
+from app.geo.grid import Grid
+from app.geo.index import GlobalIndex, Plan
+from app.pipeline import names, wire
+
+WORLD_M = 2.1e7  # beyond half the circumference every point is within reach
+UNBOUNDED = -1.0  # `_r` of a registration on every worker
+MIN_RADIUS_M = 50.0  # a shrink never goes below this (k objects at one spot)
+GROW = 4.0  # a registration with fewer than k grows its radius this many times
+SHRINK_AT = 4.0  # ...and shrinks to 2 x the k-th once the k-th is this far inside it
+PENDING, HOLD = "_p:", "_h:"
+
+# KEYS[1] = gs:knn:<sub>, KEYS[2] = history stream, KEYS[3] = its last-id marker (see
+# HISTORY_SCRIPT). ARGV[1] = worker, ARGV[2] = its epoch, ARGV[3] = its local list JSON
+# [[distance, id, lon, lat, kind]], ARGV[4] = k, ARGV[5] = maxlen, ARGV[6] = ttl,
+# ARGV[7] = tenant, ARGV[8] = marker ttl, ARGV[9..] = tokens this report clears.
+# Returns {status, kth}: status 1 = a new list was pushed, 0 = nothing changed or waiting,
+# -1 = the report's epoch is stale, 2 = fewer than k within the radius (grow), 3 = the k-th
+# is far inside the radius (shrink); kth as a string.
+MERGE_SCRIPT = """
+local e = redis.call('HGET', KEYS[1], '_e')
+if not e then return {0, ''} end
+for i = 9, #ARGV do redis.call('HDEL', KEYS[1], ARGV[i]) end
+if ARGV[2] ~= e then
+  if tonumber(ARGV[2]) < tonumber(e) then return {-1, ''} end
+  return {0, ''}
+end
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[3])
+redis.call('HDEL', KEYS[1], '_p:' .. ARGV[1])
+redis.call('EXPIRE', KEYS[1], 30 * 24 * 3600)
+local k = tonumber(ARGV[4])
+local all = {}
+local fields = redis.call('HGETALL', KEYS[1])
+for i = 1, #fields, 2 do
+  local f = fields[i]
+  if string.sub(f, 1, 1) == '_' then
+    local t = string.sub(f, 1, 3)
+    if (t == '_p:' or t == '_h:') and fields[i + 1] == e then return {0, ''} end
+  else
+    for _, n in ipairs(cjson.decode(fields[i + 1])) do all[#all + 1] = n end
+  end
+end
+table.sort(all, function(a, b)
+  if a[1] ~= b[1] then return a[1] < b[1] end
+  if a[2] ~= b[2] then return a[2] < b[2] end
+  return (a[5] or 0) < (b[5] or 0)
+end)
+local top, ids, seen = {}, {}, {}
+for _, n in ipairs(all) do
+  if #top >= k then break end
+  local key = (n[5] or 0) .. ':' .. n[2]
+  if not seen[key] then
+    -- an object handed off may be listed by its sender and its receiver for a moment
+    seen[key] = true
+    top[#top + 1] = {id = n[2], lon = n[3], lat = n[4], distance_m = n[1]}
+    ids[#ids + 1] = n[2]
+  end
+end
+local r = tonumber(redis.call('HGET', KEYS[1], '_r') or '-1')
+if #top < k and r >= 0 then return {2, ''} end
+local want = 0
+local kth = ''
+if #top >= k then
+  kth = tostring(top[k].distance_m)
+  if r < 0 or top[k].distance_m * 4 < r then want = 3 end
+end
+local key = table.concat(ids, '\\0')
+if redis.call('HGET', KEYS[1], '_merged') == key then return {want, kth} end
+redis.call('HSET', KEYS[1], '_merged', key)
+local payload = '[]'
+if #top > 0 then payload = cjson.encode(top) end
+local prev = redis.call('GET', KEYS[3]) or '0-0'
+local id = redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[5], '*', 'k', payload, 't', ARGV[7],
+                      'p', prev)
+redis.call('EXPIRE', KEYS[2], ARGV[6])
+redis.call('SET', KEYS[3], id, 'EX', ARGV[8])
+if want == 3 then return {3, kth} end
+return {1, kth}
+"""
+
+# A resize: KEYS[1] = gs:knn:<sub>. ARGV[1] = the epoch it was decided on, ARGV[2] = the new
+# radius, ARGV[3] = the registration (a packed SubsAdded of the next epoch), ARGV[4] = the
+# retraction (a packed KnnRetract), ARGV[5] = the worker stream prefix, ARGV[6..] = the
+# workers of the new registration. Every worker that held the old one and is not among them
+# (a list, a pending token) gets the retraction; tokens of the old epoch go. 1 when applied,
+# 0 when the epoch moved on meanwhile (or the subscription is gone).
+RESIZE_SCRIPT = """
+local e = redis.call('HGET', KEYS[1], '_e')
+if not e or e ~= ARGV[1] then return 0 end
+local ne = tostring(tonumber(e) + 1)
+local targets = {}
+for i = 6, #ARGV do targets[ARGV[i]] = true end
+local holders = {}
+for _, f in ipairs(redis.call('HKEYS', KEYS[1])) do
+  local t = string.sub(f, 1, 3)
+  if string.sub(f, 1, 1) ~= '_' then
+    holders[f] = true
+    if not targets[f] then redis.call('HDEL', KEYS[1], f) end
+  elseif t == '_p:' then
+    holders[string.sub(f, 4)] = true
+    redis.call('HDEL', KEYS[1], f)
+  elseif t == '_h:' then
+    local w = string.match(f, '^_h:[^:]*:(.*)$')
+    if w then holders[w] = true end
+    redis.call('HDEL', KEYS[1], f)
+  end
+end
+redis.call('HSET', KEYS[1], '_e', ne, '_r', ARGV[2])
+for i = 6, #ARGV do
+  redis.call('HSET', KEYS[1], '_p:' .. ARGV[i], ne)
+  redis.call('XADD', ARGV[5] .. ARGV[i], '*', 'm', ARGV[3])
+end
+for w, _ in pairs(holders) do
+  if not targets[w] then redis.call('XADD', ARGV[5] .. w, '*', 'm', ARGV[4]) end
+end
+return 1
+"""
+
+# A worker is gone (failover): KEYS[1] = gs:knn:<sub>, ARGV[1] = the worker. Its list and the
+# tokens that wait for it leave the hash.
+DROP_WORKER_SCRIPT = """
+for _, f in ipairs(redis.call('HKEYS', KEYS[1])) do
+  if f == ARGV[1] or f == '_p:' .. ARGV[1] or string.match(f, '^_h:[^:]*:(.*)$') == ARGV[1] then
+    redis.call('HDEL', KEYS[1], f)
+  end
+end
+return 1
+"""
+
+
+def hold_field(plan_version: int, worker: str) -> str:
+    return f"{HOLD}{plan_version}:{worker}"
+
+
+def stored_radius(radius: float) -> str:
+    return repr(radius) if math.isfinite(radius) else repr(UNBOUNDED)
+
+
+def read_radius(raw: bytes | str | None) -> float:
+    r = float(raw) if raw is not None else UNBOUNDED
+    return math.inf if r < 0 else r
+
+
+def circle_workers(plans: Iterable[GlobalIndex], lon: float, lat: float, radius: float
+                   ) -> set[str]:
+    """The workers owning partitions within `radius` of the point under any of `plans`."""
+    out: set[str] = set()
+    for plan in plans:
+        out |= (plan.workers_for_circle(lon, lat, radius) if math.isfinite(radius)
+                else set(plan.workers))
+    return out
+
+
+def initial_radius(grid: Grid, lon: float, lat: float, k: int,
+                   counts: dict[int, int]) -> float:
+    """A radius that holds at least k records by the per-cell counts (AQWA §5): the cells
+    ordered by their farthest point from (lon, lat), taken until they hold k; infinite when
+    all of them hold fewer. Records may be positions of the same moving object and the
+    counts lag: the merge grows the radius when it holds fewer than k after all."""
+    if not counts or sum(counts.values()) < k:
+        return math.inf
+    cid = np.fromiter(counts, dtype=np.int64, count=len(counts))
+    n = np.fromiter(counts.values(), dtype=np.int64, count=len(counts))
+    cx, cy = cid % grid.nx, cid // grid.nx
+    x0 = (grid.bounds[0] + cx * grid.cell_width).astype(np.float64)
+    y0 = (grid.bounds[1] + cy * grid.cell_height).astype(np.float64)
+    far = np.zeros(len(cid))
+    for dx in (0.0, 1.0):
+        for dy in (0.0, 0.5, 1.0):  # corners, and the middle of the sides (large cells)
+            far = np.maximum(far, haversine_m(lon, lat, x0 + dx * grid.cell_width,
+                                              y0 + dy * grid.cell_height))
+    order = np.argsort(far, kind="stable")
+    total = np.cumsum(n[order])
+    i = int(np.searchsorted(total, k))
+    radius = float(far[order][i]) * 1.05 + 1.0
+    return radius if radius < WORLD_M else math.inf
+
+
+def cell_totals(raw_fields: Iterable[bytes | None], horizon_bucket: int) -> dict[int, int]:
+    """Cell id -> records, summed over workers' `wire.CellCounts` of the window's buckets."""
+    out: dict[int, int] = {}
+    for raw in raw_fields:
+        if raw is None:
+            continue
+        for bucket, ids, counts in wire.decode_cell_counts(raw).buckets:
+            if bucket < horizon_bucket or not ids:
+                continue
+            for c, n in zip(np.frombuffer(ids, dtype="<i8").tolist(),
+                            np.frombuffer(counts, dtype="<i8").tolist(), strict=True):
+                out[c] = out.get(c, 0) + n
+    return out
+
+
+class PlanHistory:
+    """The plans of `names.PLAN_HISTORY` by version (an index costs milliseconds to build),
+    read from the end of the list until a known version; shared by the api's snapshot
+    queries and the workers' kNN registrations."""
+
+    def __init__(self) -> None:
+        self.plans: dict[int, tuple[float, GlobalIndex]] = {}
+
+    def absorb(self, raw: list[Any]) -> bool:
+        """Take entries read from the end of the list; True when they reach a known one."""
+        entries = [orjson.loads(r) for r in raw]
+        known = any(int(e["version"]) in self.plans for e in entries)
+        for e in entries:
+            version = int(e["version"])
+            if version not in self.plans:
+                self.plans[version] = (float(e["valid_from"]),
+                                       GlobalIndex(Plan.from_dict(e["plan"])))
+        if len(self.plans) > 2 * names.PLAN_HISTORY_MAX:
+            for version in sorted(self.plans)[:-names.PLAN_HISTORY_MAX]:
+                del self.plans[version]
+        return known
+
+    def read(self, lrange: Callable[[int], list[Any]]) -> None:
+        """New entries through `lrange(n)` (the last n entries)."""
+        n = 1
+        while True:
+            raw = lrange(n)
+            if self.absorb(raw) or len(raw) < n:
+                return
+            n *= 4
+
+    def since(self, horizon: float, current: GlobalIndex) -> list[GlobalIndex] | None:
+        """The plans (of the current worker set) valid at some time since `horizon`, or None
+        when the history does not reach back that far."""
+        members = sorted(current.workers)
+        out: list[GlobalIndex] = []
+        for version in sorted(self.plans, reverse=True):
+            if version > current.version:
+                continue
+            valid_from, plan = self.plans[version]
+            if sorted(plan.workers) != members:
+                return None  # the cluster was resized meanwhile
+            out.append(plan)
+            if valid_from <= horizon:
+                return out
+        return out if self.plans and min(self.plans) == 1 else None
+
+
+def registration_workers(history: PlanHistory, current: GlobalIndex, horizon: float,
+                         lon: float, lat: float, radius: float) -> set[str]:
+    """The workers a registration of `radius` goes to: owners within it under the current
+    plan and every plan of the window (every worker when the history falls short)."""
+    if not math.isfinite(radius):
+        return set(current.workers)
+    plans = history.since(horizon, current)
+    if plans is None:
+        return set(current.workers)
+    return circle_workers([current, *plans], lon, lat, radius)
+
+
+def register_fields(epoch: int, radius: float, workers: Iterable[str]) -> dict[str, str]:
+    """The hash fields a new registration writes (with its messages, atomically)."""
+    return {"_e": str(epoch), "_r": stored_radius(radius),
+            **{PENDING + w: str(epoch) for w in workers}}

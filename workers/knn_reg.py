@@ -1,0 +1,207 @@
+"""The executor's side of kNN registrations (`app.pipeline.knnreg`): each report of a local
+list goes through the merge script, whose answer may ask for a resize (fewer than k within
+the radius: grow; the k-th far inside it: shrink) or say the report was of an older
+registration (drop it here); registrations that reach this worker under an older plan are
+forwarded to the owners under the newer ones, with their tokens."""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from typing import TYPE_CHECKING, Any
+
+import orjson
+
+from app.geo.geometry import circle_bbox
+from app.pipeline import knnreg, names, wire
+from workers.knn import KnnState, KnnSub, knn_sub
+
+if TYPE_CHECKING:
+    from workers.executor import Executor
+
+log = logging.getLogger(__name__)
+
+STREAM_PREFIX = names.worker_stream("")
+
+
+class KnnRegistry:
+    def __init__(self, executor: Executor) -> None:
+        self.ex = executor
+        self.broadcast = executor.replicated or executor.settings.knn_broadcast
+        self._merge = executor.redis.register_script(knnreg.MERGE_SCRIPT)
+        self._resize = executor.redis.register_script(knnreg.RESIZE_SCRIPT)
+        self._drop = executor.redis.register_script(knnreg.DROP_WORKER_SCRIPT)
+        self.history = knnreg.PlanHistory()
+        # reports queued on a pipeline: (pipeline, position of the call, tenant, sub, epoch)
+        self.queued: list[tuple[Any, int, str, KnnSub, int]] = []
+        self.resizes = {"grow": 0, "shrink": 0}
+
+    # --- reports -------------------------------------------------------------------------
+    def report(self, tenant: str, subs: list[KnnSub], pipe: Any,
+               clear: tuple[str, ...] = ()) -> None:
+        """Each sub's local list to the merge script, on `pipe` (a pipeline: the answers are
+        read by `settle` after it executes) or on the client itself (answered at once)."""
+        ex = self.ex
+        direct = not hasattr(pipe, "command_stack")
+        for sub in subs:
+            ex.touched.add(sub.id)  # its history is trimmed by age with the others
+            local = orjson.dumps([[n[0], n[1], n[2], n[3], _kind(n[4])] for n in sub.local])
+            at = -1 if direct else len(pipe.command_stack)
+            out = self._merge(keys=[names.knn_key(sub.id), names.history_key(sub.id),
+                                    names.history_last_key(sub.id)],
+                              args=[ex.id, sub.epoch, local, sub.k,
+                                    ex.settings.history_max_len,
+                                    int(ex.settings.history_max_age_s) + 60, tenant,
+                                    names.HISTORY_LAST_TTL_S, *clear],
+                              client=pipe)
+            if direct:
+                self._answer(tenant, sub, sub.epoch, out)
+            else:
+                self.queued.append((pipe, at, tenant, sub, sub.epoch))
+
+    def settle(self, pipe: Any, results: list[Any]) -> None:
+        """The answers of the reports queued on `pipe`, now executed."""
+        mine = [q for q in self.queued if q[0] is pipe]
+        self.queued = [q for q in self.queued if q[0] is not pipe]
+        for _, at, tenant, sub, epoch in mine:
+            self._answer(tenant, sub, epoch, results[at])
+
+    def forget(self, pipe: Any) -> None:
+        """`pipe` was discarded: its reports were never made."""
+        self.queued = [q for q in self.queued if q[0] is not pipe]
+
+    def _answer(self, tenant: str, sub: KnnSub, epoch: int, out: Any) -> None:
+        if isinstance(out, Exception) or not out:
+            return
+        status = int(out[0])
+        if status == -1:  # a newer registration leaves us out (its retraction is on its way)
+            self.retract(tenant, [sub.id], epoch + 1)
+        elif status == 2 and not self.broadcast:
+            self.resize(tenant, sub, epoch, grow=True, kth=0.0)
+        elif status == 3 and not self.broadcast:
+            raw = out[1].decode() if isinstance(out[1], bytes) else str(out[1])
+            self.resize(tenant, sub, epoch, grow=False, kth=float(raw))
+
+    # --- registrations -------------------------------------------------------------------
+    def register(self, m: wire.SubscriptionCopy, pipe: Any) -> None:
+        """A registration (new, or of a newer epoch); an older one is only reported (its
+        token is cleared) while the newer stays."""
+        ex = self.ex
+        state = ex.knn_state(m.tenant)
+        held = state.subs.get(m.id)
+        if held is None or held.epoch < m.epoch:
+            held = state.add(knn_sub(m.id, m.spec, m.radius_m, m.epoch))
+            ex.sub_msgs[m.id] = m
+        self.report(m.tenant, [held], pipe)
+
+    def retract(self, tenant: str, ids: list[str], epoch: int) -> None:
+        """Registrations older than `epoch` leave this worker (not deleted: see KnnRetract)."""
+        ex = self.ex
+        state = ex.knn.get(tenant) if tenant else None
+        states = [state] if state is not None else list(ex.knn.values())
+        for sid in ids:
+            for st in states:
+                sub = st.subs.get(sid)
+                if sub is not None and sub.epoch < epoch:
+                    st.remove(sid)
+                    ex.sub_msgs.pop(sid, None)
+                    ex.ledger.remove_query(sid)
+
+    def resize(self, tenant: str, sub: KnnSub, epoch: int, grow: bool, kth: float) -> None:
+        """Register `sub` again with a grown or shrunk radius (if its epoch is still
+        `epoch`: another worker may have done it)."""
+        ex = self.ex
+        copy = ex.sub_msgs.get(sub.id)
+        if copy is None or ex.index is None:
+            return
+        if grow:
+            if not math.isfinite(sub.radius):
+                return
+            radius = sub.radius * knnreg.GROW
+            if radius >= knnreg.WORLD_M:
+                radius = math.inf
+        else:
+            radius = max(2.0 * kth, knnreg.MIN_RADIUS_M)
+            if radius >= sub.radius:
+                return
+        index = ex.index
+        self.history.read(lambda n: ex.redis.lrange(names.PLAN_HISTORY, -n, -1))
+        horizon = time.time() - ex.settings.window_s - ex.settings.bucket_s
+        workers = knnreg.registration_workers(self.history, index, horizon, sub.lon, sub.lat,
+                                              radius)
+        reg = wire.encode_entry(wire.SubsAdded(subs=[wire.SubscriptionCopy(
+            id=copy.id, tenant=copy.tenant, spec=copy.spec, expires_at=copy.expires_at,
+            radius_m=radius if math.isfinite(radius) else None, epoch=epoch + 1)],
+            plan_version=index.version))
+        retract = wire.encode_entry(wire.KnnRetract(ids=[sub.id], epoch=epoch + 1))
+        done = self._resize(keys=[names.knn_key(sub.id)],
+                            args=[epoch, knnreg.stored_radius(radius), reg, retract,
+                                  STREAM_PREFIX, *sorted(workers)])
+        if done:
+            self.resizes["grow" if grow else "shrink"] += 1
+            log.debug("worker %s: kNN %s radius %.0f -> %.0f m on %s", ex.id, sub.id,
+                      sub.radius, radius, sorted(workers))
+
+    def forward(self, m: wire.SubscriptionCopy, since_version: int, owner: str,
+                pipe: Any) -> None:
+        """A registration routed under plan `since_version` to `owner` (this worker, or a
+        dead one whose stream we adopted): the owners within its radius under the newer
+        plans get it too, each with a token, before `owner`'s report (or, adopted, instead
+        of it) can complete the merged list."""
+        ex = self.ex
+        key = names.knn_key(m.id)
+        if owner != ex.id:
+            pipe.hdel(key, knnreg.PENDING + owner)
+        if m.radius_m is None or ex.index is None:
+            return  # unbounded: it went to every worker
+        self.history.read(lambda n: ex.redis.lrange(names.PLAN_HISTORY, -n, -1))
+        plans = [ex.index, *(p for v, (_, p) in self.history.plans.items()
+                             if since_version < v < ex.index.version)]
+        lon, lat = m.spec["point"]
+        targets = knnreg.circle_workers(plans, float(lon), float(lat), m.radius_m) - {owner}
+        for w in sorted(targets):
+            pipe.hset(key, knnreg.PENDING + w, str(m.epoch))
+            pipe.xadd(names.worker_stream(w), {b"m": wire.encode_entry(
+                wire.SubsAdded(subs=[m], plan_version=ex.index.version))})
+        if targets:
+            pipe.expire(key, 30 * 24 * 3600)
+
+    def drop_worker(self, sub_ids: list[str], dead: str, pipe: Any) -> None:
+        """A dead worker's lists and the tokens waiting for it leave these subscriptions."""
+        for sid in sub_ids:
+            self._drop(keys=[names.knn_key(sid)], args=[dead], client=pipe)
+
+    def stored(self, sub_ids: list[str]) -> dict[str, tuple[int, float, bool]]:
+        """sub -> (epoch, radius, whether this worker is registered) from the hashes; those
+        without a registration are left out."""
+        ex = self.ex
+        pipe = ex.redis.pipeline(transaction=False)
+        for sid in sub_ids:
+            pipe.hmget(names.knn_key(sid), ["_e", "_r", knnreg.PENDING + ex.id, ex.id])
+        out: dict[str, tuple[int, float, bool]] = {}
+        for sid, (e, r, p, f) in zip(sub_ids, pipe.execute(), strict=True):
+            if e is not None:
+                out[sid] = (int(e), knnreg.read_radius(r), p is not None or f is not None)
+        return out
+
+    def handoff(self, state: KnnState, inside_rect: Any) -> list[wire.SubscriptionCopy]:
+        """The kNN registrations a handoff carries: those whose circle reaches the given
+        partitions (`inside_rect(bbox)`), with their current radius and epoch."""
+        if self.broadcast:
+            return []  # every worker has every one
+        out = []
+        for sub in state.subs.values():
+            copy = self.ex.sub_msgs.get(sub.id)
+            if copy is None:
+                continue
+            box = (circle_bbox(sub.lon, sub.lat, sub.radius) if math.isfinite(sub.radius)
+                   else (-180.0, -90.0, 180.0, 90.0))
+            if inside_rect(box):
+                out.append(copy)
+        return out
+
+
+def _kind(key: Any) -> int:
+    """The kind (workers.knn.MOVING or EVENT) of a neighbour's key (kind, id)."""
+    return int(key[0])
