@@ -576,6 +576,10 @@ class Executor:
                 self.pending_queries.append((msg, len(self.pending_records)))
             elif isinstance(msg, wire.KnnRetract):
                 self.knnreg.retract("", msg.ids, msg.epoch)
+            elif isinstance(msg, wire.KnnAsk):
+                self.knnreg.on_ask(msg, pipe)
+            elif isinstance(msg, wire.KnnArrived):
+                self.knnreg.on_arrived(msg, pipe, notify)
             elif isinstance(msg, wire.Takeover):
                 self.migration.receive_takeover(msg, pipe, notify)
                 if msg.adopter == self.id:
@@ -789,10 +793,12 @@ class Executor:
         at = [b.sent_at for b in group for _ in b.ids]
         self.received += len(batch)
         self._count_objects(batch)
-        changed = self.knn_state(tenant).apply(batch, at, time.time())
+        state = self.knn_state(tenant)
+        changed = state.apply(batch, at, time.time())
         if changed:
             self.merge_knn(tenant, changed, pipe)
             notify.setdefault(tenant, set()).update(s.id for s in changed)
+        self.knnreg.send_asks(tenant, state, pipe)
         subs = self.subs.indexed(tenant)
         if subs is None:
             return

@@ -227,6 +227,8 @@ class Adoption:
                         for m in msg.subs:
                             if m.spec["type"] == "knn":
                                 ex.knnreg.forward(m, msg.plan_version, self.dead, pipe)
+                elif isinstance(msg, wire.KnnAsk):
+                    ex.knnreg.on_ask(msg, pipe, owner=self.dead)
                 elif isinstance(msg, wire.QueryPart):
                     queries.append(msg)
                 # Removals, gone objects, retractions and keyword subscriptions went to every

@@ -261,6 +261,12 @@ class KnnState:
         self.members: dict[Hashable, set[str]] = {}
         self._moved: set[tuple[int, str]] = set()  # left their position since the last refresh
         self._placed: set[tuple[int, str]] = set()  # took a new position since then
+        # Listed objects that moved to another worker's partition stay here, where they were,
+        # until that worker has them (`arrived`): a merged list never misses an object that
+        # is only on its way. id -> the exit's time; `asks`: (id, time, new lon, new lat) to
+        # send to their new owner, which answers once it holds them.
+        self.ghosts: dict[str, float] = {}
+        self.asks: list[tuple[str, float, float, float]] = []
 
     # --- the objects ----------------------------------------------------------------------
     def _place(self, key: tuple[int, str], lon: float, lat: float, kws: frozenset[str]) -> None:
@@ -281,6 +287,7 @@ class KnnState:
     def upsert_moving(self, oid: str, lon: float, lat: float, kws: frozenset[str],
                       ts: float) -> None:
         if self.objects.upsert_moving(oid, lon, lat, kws, ts):
+            self.ghosts.pop(oid, None)
             self._place((MOVING, oid), lon, lat, kws)
 
     def remove_moving(self, oid: str, ts: float) -> None:
@@ -288,8 +295,30 @@ class KnnState:
             self._drop((MOVING, oid))
 
     def drop_moving(self, ids: list[str]) -> None:
+        for oid in ids:
+            self.ghosts.pop(oid, None)
         for oid in self.objects.drop_moving(ids):
             self._drop((MOVING, oid))
+
+    def exit_moving(self, oid: str, lon: float, lat: float, ts: float) -> None:
+        """The object's record `ts` put it at (lon, lat) in another worker's partition: it
+        leaves at once unless a local list holds it; then it stays a ghost until `arrived`."""
+        if ((MOVING, oid) in self.members and self.objects.moving_ts.get(oid, math.inf) <= ts
+                and oid in self.objects.moving):
+            self.ghosts[oid] = ts
+            self.asks.append((oid, ts, lon, lat))
+            return
+        self.remove_moving(oid, ts)
+
+    def arrived(self, oid: str, ts: float) -> None:
+        """The new owner holds the object's record `ts`: its ghost (if still that) leaves."""
+        if self.ghosts.get(oid) == ts:
+            del self.ghosts[oid]
+            self.remove_moving(oid, ts)
+
+    def take_asks(self) -> list[tuple[str, float, float, float]]:
+        asks, self.asks = self.asks, []
+        return asks
 
     def add_event(self, oid: str, lon: float, lat: float, kws: frozenset[str], at: float) -> None:
         self.objects.add_event(oid, lon, lat, kws, at)
@@ -355,7 +384,7 @@ class KnnState:
             if batch.exit_only[i]:
                 # exit-only copy: the object moved to another worker's partition
                 if not batch.late[i]:
-                    self.remove_moving(oid, batch.ts[i])
+                    self.exit_moving(oid, batch.lon[i], batch.lat[i], batch.ts[i])
                 continue
             if batch.moving[i]:
                 if not batch.late[i]:

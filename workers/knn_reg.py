@@ -11,6 +11,7 @@ import math
 import time
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import orjson
 
 from app.geo.geometry import circle_bbox
@@ -200,6 +201,74 @@ class KnnRegistry:
             if inside_rect(box):
                 out.append(copy)
         return out
+
+
+    # --- objects on their way (KnnState.ghosts) ------------------------------------------
+    def send_asks(self, tenant: str, state: KnnState, pipe: Any) -> None:
+        """Ask the new owners of listed objects that left for their partitions to answer
+        once they hold them."""
+        asks = state.take_asks()
+        ex = self.ex
+        if not asks or ex.index is None:
+            return
+        index = ex.index
+        owners = index.worker_of_points(np.asarray([a[2] for a in asks], dtype=np.float64),
+                                        np.asarray([a[3] for a in asks], dtype=np.float64))
+        rows: dict[str, list[tuple[str, float, float, float]]] = {}
+        for ask, w in zip(asks, owners.tolist(), strict=True):
+            dest = index.workers[w] if w >= 0 else ex.id
+            if dest == ex.id:  # ours again under the newest plan: nothing to wait for
+                state.arrived(ask[0], ask[1])
+            else:
+                rows.setdefault(dest, []).append(ask)
+        for dest, rs in rows.items():
+            self._send_ask(dest, tenant, rs, ex.id, pipe)
+
+    def on_ask(self, msg: wire.KnnAsk, pipe: Any, owner: str | None = None) -> None:
+        """Answer for the records we (or `owner`, adopted) hold under the newest plan: every
+        entry before this one was processed. Forward the rest to their owners."""
+        ex = self.ex
+        ex.load_plan()
+        assert ex.index is not None
+        index = ex.index
+        owner = owner or ex.id
+        owners = index.worker_of_points(np.asarray(msg.lon, dtype=np.float64),
+                                        np.asarray(msg.lat, dtype=np.float64))
+        mine_ids: list[str] = []
+        mine_ts: list[float] = []
+        rows: dict[str, list[tuple[str, float, float, float]]] = {}
+        for i, w in enumerate(owners.tolist()):
+            dest = index.workers[w] if w >= 0 else owner
+            if dest == owner and owner == ex.id:
+                mine_ids.append(msg.ids[i])
+                mine_ts.append(msg.ts[i])
+            else:  # a dead worker's (adopted) rows go to the owner under the new plan
+                dest = dest if dest != owner else ex.id
+                rows.setdefault(dest, []).append((msg.ids[i], msg.ts[i], msg.lon[i],
+                                                  msg.lat[i]))
+        if mine_ids:
+            pipe.xadd(names.worker_stream(msg.reply_to), {b"m": wire.encode_entry(
+                wire.KnnArrived(tenant=msg.tenant, ids=mine_ids, ts=mine_ts))})
+        for dest, rs in rows.items():
+            self._send_ask(dest, msg.tenant, rs, msg.reply_to, pipe)
+
+    def _send_ask(self, dest: str, tenant: str, rows: list[tuple[str, float, float, float]],
+                  reply_to: str, pipe: Any) -> None:
+        pipe.xadd(names.worker_stream(dest), {b"m": wire.encode_entry(wire.KnnAsk(
+            tenant=tenant, ids=[r[0] for r in rows], ts=[r[1] for r in rows],
+            lon=[r[2] for r in rows], lat=[r[3] for r in rows], reply_to=reply_to))})
+
+    def on_arrived(self, msg: wire.KnnArrived, pipe: Any,
+                   notify: dict[str, set[str]]) -> None:
+        state = self.ex.knn.get(msg.tenant)
+        if state is None:
+            return
+        for oid, ts in zip(msg.ids, msg.ts, strict=True):
+            state.arrived(oid, ts)
+        changed = state.refresh()
+        if changed:
+            self.report(msg.tenant, changed, pipe)
+            notify.setdefault(msg.tenant, set()).update(s.id for s in changed)
 
 
 def _kind(key: Any) -> int:

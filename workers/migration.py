@@ -238,7 +238,8 @@ class Migration:
                 subs += ex.knnreg.handoff(state, reaches)
                 objs = state.objects.moving_in(inside)
                 if objs:
-                    mv[tenant] = objs
+                    # ghosts (on their way to another partition) leave without being handed
+                    mv[tenant] = [o for o in objs if o[0] not in state.ghosts]
                     leaving.append((tenant, [o[0] for o in objs]))
                     # lists holding an object handed off wait for the receiver to take it
                     for o in objs:

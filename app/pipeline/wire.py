@@ -3,7 +3,8 @@ decoder per stream or channel (msgpack through msgspec, which decodes and valida
 step). Field names say what they are; the short keys on the wire stay short through renaming.
 
 - a worker's stream (`names.worker_stream`): `WorkerEntry` = ObjectBatch | SubsAdded |
-  SubsRemoved | ObjectsGone | Handoff | QueryPart | Takeover | KnnRetract, in field `m`;
+  SubsRemoved | ObjectsGone | Handoff | QueryPart | Takeover | KnnRetract | KnnAsk |
+  KnnArrived, in field `m`;
 - a worker's window log (`names.window_stream`): the ObjectBatch of records it stored;
 - a snapshot query's reply list (`names.query_reply_key`): QueryReply;
 - a worker's command stream (`names.command_stream`): `Command` = RoundCommand |
@@ -94,6 +95,27 @@ class SubsAdded(msgspec.Struct, tag="sub+", tag_field="t", rename={"plan_version
 
 class SubsRemoved(msgspec.Struct, tag="sub-", tag_field="t"):
     ids: list[str]
+
+
+class KnnAsk(msgspec.Struct, tag="knn?", tag_field="t", rename={"tenant": "tn"}):
+    """Old owner -> new owner of moving objects a kNN list holds (`KnnState.ghosts`): answer
+    with KnnArrived once you hold these records (forward it if their position is no longer
+    yours). Rows: id, the record's time, its position."""
+
+    tenant: str
+    ids: list[str]
+    ts: list[float]
+    lon: list[float]
+    lat: list[float]
+    reply_to: str
+
+
+class KnnArrived(msgspec.Struct, tag="knn!", tag_field="t", rename={"tenant": "tn"}):
+    """The answer to KnnAsk: the ghosts of these records may go."""
+
+    tenant: str
+    ids: list[str]
+    ts: list[float]
 
 
 class KnnRetract(msgspec.Struct, tag="knn-", tag_field="t"):
@@ -264,7 +286,7 @@ def decode_query_reply(data: bytes) -> QueryReply:
 
 
 WorkerEntry = (ObjectBatch | SubsAdded | SubsRemoved | ObjectsGone | Handoff | QueryPart
-               | Takeover | KnnRetract)
+               | Takeover | KnnRetract | KnnAsk | KnnArrived)
 
 _entry_encoder = msgspec.msgpack.Encoder()
 _entry_decoder = msgspec.msgpack.Decoder(WorkerEntry)

@@ -1,7 +1,8 @@
 """Continuous kNN on one worker (workers.knn, workers.knn_index) against brute force: after any
 sequence of arrivals, moves, removals, expiry and subscription changes, every local list is
 the brute-force top-k of the objects held within the subscription's radius, and `refresh`
-reports exactly the lists that changed. The MINDIST bound the search prunes with never exceeds a true distance."""
+reports exactly the lists that changed. The MINDIST bound the search prunes with never
+exceeds a true distance."""
 
 from __future__ import annotations
 

@@ -347,3 +347,107 @@ async def _knn(server: LiveServer, between: Any = None) -> None:
 
 def test_continuous_knn_matches_oracle(pipeline: LiveServer) -> None:
     asyncio.run(_knn(pipeline))
+
+
+def _knn_hash(client: redis.Redis, sid: str) -> tuple[float, set[str]]:
+    """A kNN registration's radius (inf: unbounded) and the workers whose lists it merges."""
+    held = {k.decode(): v.decode() for k, v in client.hgetall(names.knn_key(sid)).items()}
+    r = float(held.get("_r", "-1"))
+    return (r if r >= 0 else float("inf")), {k for k in held if not k.startswith("_")}
+
+
+async def _knn_bounded(server: LiveServer) -> None:
+    from app.geo.index import GlobalIndex, Plan
+    from tests.workers.oracle import knn_oracle, record_keywords
+
+    client = redis.Redis.from_url(server.redis_url)
+    raw = client.get(names.PLAN_KEY)
+    assert raw is not None
+    index = GlobalIndex(Plan.from_json(raw))
+    places = [(-100.0, 40.0), (100.0, 30.0), (10.0, 50.0), (-60.0, -20.0), (140.0, -30.0)]
+    owners = {index.workers_for_circle(x, y, 1.0).pop(): (x, y) for x, y in places}
+    assert len(owners) >= 2, owners
+    (wa, pa), (wb, pb) = sorted(owners.items())[:2]
+    rng = random.Random(3)
+    key = server.new_key()
+    specs = [{"type": "knn", "point": list(pa), "k": 3},
+             {"type": "knn", "point": list(pb), "k": 4, "keywords": ["taxi"]}]
+    live: dict[str, tuple[float, float, list[str]]] = {}
+
+    async def put(objs: list[dict[str, Any]]) -> None:
+        r = await client_http.post("/v1/objects", json={"objects": objs}, headers=auth(key))
+        assert r.status_code == 202, r.text
+        for obj, oid in zip(objs, r.json()["ids"], strict=True):
+            live[oid] = (obj["lon"], obj["lat"], record_keywords(obj))
+
+    async with httpx.AsyncClient(base_url=server.base_url, timeout=30) as client_http:
+        r = await client_http.post("/v1/subscriptions/batch", json={"subscriptions": specs},
+                                   headers=auth(key))
+        ids = r.json()["ids"]
+        listener = Listener(server.ws_url, key)
+        await listener.connect()
+        await listener.listen(ids)
+        await put([{"id": f"v{i}", "lon": p[0] + rng.uniform(-0.3, 0.3),
+                    "lat": p[1] + rng.uniform(-0.3, 0.3),
+                    "keywords": ["taxi"] if i % 2 else ["bus"]}
+                   for i in range(60) for p in [(pa, pb)[i % 2]]])
+
+        def last(sid: str) -> list[str] | None:
+            msgs = [m for m in listener.messages if m["type"] == "knn"
+                    and m["subscription"] == sid]
+            return [n["id"] for n in msgs[-1]["neighbors"]] if msgs else None
+
+        def settled() -> bool:
+            return all(last(s) == knn_oracle(spec, live) and _knn_hash(client, s)[0] < 1e6
+                       for s, spec in zip(ids, specs, strict=True))
+
+        assert await wait_for(settled, 30)
+        # Shrunk to a radius around the neighbours: held by the owner of the point alone.
+        for sid, owner, spec in zip(ids, (wa, wb), specs, strict=True):
+            radius, held = _knn_hash(client, sid)
+            assert held == {owner}, (sid, radius, held)
+            assert held == index.workers_for_circle(*spec["point"], radius)
+        # The neighbours of the first point leave for the second one's: its list holds fewer
+        # than k within its radius, which grows until they are found.
+        before = _knn_hash(client, ids[0])[0]
+        await put([{"id": oid, "lon": pb[0] + rng.uniform(-1, 1), "lat": pb[1]}
+                   for oid, (x, _, _) in list(live.items()) if abs(x - pa[0]) < 1])
+        assert await wait_for(lambda: all(last(s) == knn_oracle(spec, live)
+                                          for s, spec in zip(ids, specs, strict=True)), 30)
+        radius, held = _knn_hash(client, ids[0])
+        assert radius > before and wb in held
+        await listener.close()
+
+
+def test_knn_registered_only_where_its_neighbours_can_be(pipeline: LiveServer) -> None:
+    """A kNN subscription starts unbounded on a new tenant, shrinks to the owner of its point
+    once its k nearest are known, and grows when they leave: its lists equal the oracle's
+    throughout."""
+    asyncio.run(_knn_bounded(pipeline))
+
+
+def test_continuous_knn_broadcast_baseline(tmp_path: Path, embedded_redis: Any) -> None:
+    """The baseline switch (every kNN subscription on every worker, unbounded) is exact too."""
+    from tests.workers.harness import run_on_cluster
+
+    def check(server: LiveServer) -> Any:
+        async def run() -> None:
+            await _knn(server)
+            await _knn_bounded_broadcast(server)
+        return run()
+
+    run_on_cluster(tmp_path, embedded_redis.url, 2, check, GEOSWARM_KNN_BROADCAST="1")
+
+
+async def _knn_bounded_broadcast(server: LiveServer) -> None:
+    client = redis.Redis.from_url(server.redis_url)
+    key = server.new_key()
+    async with httpx.AsyncClient(base_url=server.base_url, timeout=30) as http:
+        r = await http.post("/v1/subscriptions", json={"type": "knn", "point": [1, 1], "k": 2},
+                            headers=auth(key))
+        sid = r.json()["id"]
+        await http.post("/v1/objects", json={"objects": [{"lon": 1.0, "lat": 1.01}] * 3},
+                        headers=auth(key))
+        assert await wait_for(lambda: _knn_hash(client, sid)[1] == {"w0", "w1"}, 15)
+        await asyncio.sleep(0.5)
+        assert _knn_hash(client, sid) == (float("inf"), {"w0", "w1"})
