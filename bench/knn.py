@@ -126,16 +126,26 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--workers", type=int, default=2, help="--live: worker processes")
     ap.add_argument("--request", type=int, default=100,
                     help="--live: updates per HTTP request (latency grows with it)")
+    ap.add_argument("--registration", choices=["both", "bounded", "broadcast"],
+                    default="both", help="--live: kNN registrations bounded by a radius, "
+                    "the broadcast baseline, or both one after the other (default)")
     args = ap.parse_args(argv)
     if args.live:
         from bench.knn_live import run as run_live
 
-        out = run_live(args.objects, args.subs, args.k, args.rate, args.seconds,
-                       args.request, args.workers, args.seed)
-        width = max(len(key) for key in out)
-        for key, value in out.items():
-            print(f"{key:<{width}}  {value}")
-        if out["last_lists_wrong"]:
+        modes = (["bounded", "broadcast"] if args.registration == "both"
+                 else [args.registration])
+        outs = [run_live(args.objects, args.subs, args.k, args.rate, args.seconds,
+                         args.request, args.workers, args.seed, broadcast=m == "broadcast")
+                for m in modes]
+        width = max(len(key) for key in outs[0])
+        print(f"{'':<{width}}  " + "".join(f"{m:>24}" for m in modes))
+        for key in outs[0]:
+            print(f"{key:<{width}}  " + "".join(f"{str(o[key]):>24}" for o in outs))
+        if len(outs) == 2 and outs[0]["worker_cpu_us_per_update"]:
+            ratio = outs[1]["worker_cpu_us_per_update"] / outs[0]["worker_cpu_us_per_update"]
+            print(f"worker CPU per update, broadcast / bounded: {ratio:.1f}x")
+        if any(o["last_lists_wrong"] for o in outs):
             raise SystemExit("some last lists differ from brute force")
         return
     r = run(args.objects, args.subs, args.updates, args.batch, args.k, args.seed)

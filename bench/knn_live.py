@@ -19,8 +19,10 @@ from typing import Any
 import httpx
 import numpy as np
 import orjson
+import redis
 
 from app.geo.geometry import haversine_m
+from app.pipeline import names
 from bench.cluster import LiveServer, bench_cluster
 from bench.pipeline import Listener, cpu_seconds, subscribe
 from bench.workload import city_points
@@ -133,6 +135,12 @@ async def drive(server: LiveServer, n_objects: int, n_subs: int, k: int, rate: f
         cpu = {n: v - cpu0.get(n, 0.0) for n, v in cpu_seconds(server).items()}
         task.cancel()
     sample = rng.choice(n_subs, size=min(check, n_subs), replace=False).tolist()
+    # on how many workers each subscription of the sample is registered (merged lists)
+    r = redis.Redis.from_url(server.redis_url)
+    pipe = r.pipeline(transaction=False)
+    for s in sample:
+        pipe.hkeys(names.knn_key(sub_ids[s]))
+    held = [sum(not f.startswith(b"_") for f in fields) for fields in pipe.execute()]
     wrong = 0
     for s in sample:
         d = haversine_m(float(slon[s]), float(slat[s]), lon, lat)
@@ -155,6 +163,7 @@ async def drive(server: LiveServer, n_objects: int, n_subs: int, k: int, rate: f
         "to_history_ms_p50": pct(0.5, receiver.written_ms),
         "to_history_ms_p99": pct(0.99, receiver.written_ms),
         "worker_cpu_us_per_update": round(workers_cpu / sent * 1e6, 1),
+        "workers_per_subscription": round(sum(held) / max(1, len(held)), 2),
         "cpu_seconds": {n: round(v, 1) for n, v in cpu.items()},
         "last_lists_checked": len(sample), "last_lists_wrong": wrong,
     }
@@ -162,7 +171,9 @@ async def drive(server: LiveServer, n_objects: int, n_subs: int, k: int, rate: f
 
 def run(n_objects: int = 100_000, n_subs: int = 10_000, k: int = 10, rate: float = 5_000,
         seconds: float = 20.0, batch: int = 250, workers: int = 2, seed: int = 1,
-        check: int = 200) -> dict[str, Any]:
-    with bench_cluster("geoswarm-bench-knn-", workers) as server:
+        check: int = 200, broadcast: bool = False) -> dict[str, Any]:
+    """One run; `broadcast`: every subscription on every worker, unbounded (the baseline)."""
+    env = {"GEOSWARM_KNN_BROADCAST": "1"} if broadcast else {}
+    with bench_cluster("geoswarm-bench-knn-", workers, **env) as server:
         return asyncio.run(drive(server, n_objects, n_subs, k, rate, seconds, batch, seed,
                                  check))

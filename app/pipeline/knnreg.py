@@ -30,9 +30,10 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 import orjson
 
-from app.geo.geometry import haversine_m
+from app.geo.geometry import EARTH_RADIUS_M, haversine_m
 from app.geo.grid import Grid
 from app.geo.index import GlobalIndex, Plan
 from app.pipeline import names, wire
@@ -185,29 +186,57 @@ def circle_workers(plans: Iterable[GlobalIndex], lon: float, lat: float, radius:
     return out
 
 
-def initial_radius(grid: Grid, lon: float, lat: float, k: int,
-                   counts: dict[int, int]) -> float:
-    """A radius that holds at least k records by the per-cell counts (AQWA §5): the cells
-    ordered by their farthest point from (lon, lat), taken until they hold k; infinite when
-    all of them hold fewer. Records may be positions of the same moving object and the
-    counts lag: the merge grows the radius when it holds fewer than k after all."""
-    if not counts or sum(counts.values()) < k:
-        return math.inf
-    cid = np.fromiter(counts, dtype=np.int64, count=len(counts))
-    n = np.fromiter(counts.values(), dtype=np.int64, count=len(counts))
-    cx, cy = cid % grid.nx, cid // grid.nx
-    x0 = (grid.bounds[0] + cx * grid.cell_width).astype(np.float64)
-    y0 = (grid.bounds[1] + cy * grid.cell_height).astype(np.float64)
-    far = np.zeros(len(cid))
-    for dx in (0.0, 1.0):
-        for dy in (0.0, 0.5, 1.0):  # corners, and the middle of the sides (large cells)
-            far = np.maximum(far, haversine_m(lon, lat, x0 + dx * grid.cell_width,
-                                              y0 + dy * grid.cell_height))
-    order = np.argsort(far, kind="stable")
-    total = np.cumsum(n[order])
-    i = int(np.searchsorted(total, k))
-    radius = float(far[order][i]) * 1.05 + 1.0
-    return radius if radius < WORLD_M else math.inf
+class CountGrid:
+    """The window's records per grid cell (summed over workers) for first radii: AQWA §5's
+    scan of the cells by their farthest point from the query point, until they hold k."""
+
+    def __init__(self, grid: Grid, counts: dict[int, int]) -> None:
+        self.grid = grid
+        cid = np.fromiter(counts, dtype=np.int64, count=len(counts))
+        self.n = np.fromiter(counts.values(), dtype=np.int64, count=len(counts))
+        self.x0 = (grid.bounds[0] + (cid % grid.nx) * grid.cell_width).astype(np.float64)
+        self.y0 = (grid.bounds[1] + (cid // grid.nx) * grid.cell_height).astype(np.float64)
+        self.total = int(self.n.sum())
+
+    def radius(self, lon: float, lat: float, k: int) -> float:
+        """A radius around (lon, lat) that holds at least k records by the counts; infinite
+        when they hold fewer. Cells near the point are tried first: any cells holding k give
+        a radius that surely holds k, and when it does not reach past them it is also the
+        smallest such. Records may be positions of one moving object, and the counts lag:
+        the merge grows the radius when it holds fewer than k after all."""
+        if self.total < k:
+            return math.inf
+        everything = np.arange(len(self.n))
+        for half in (0.5, 4.0, 30.0):
+            near = np.flatnonzero((np.abs(self.x0 - lon) <= half)
+                                  & (np.abs(self.y0 - lat) <= half))
+            if int(self.n[near].sum()) >= k:
+                break
+        else:
+            return self._scan(everything, lon, lat, k)
+        radius = self._scan(near, lon, lat, k)
+        # Any cell entirely within that radius lies within its arc of latitude: the scan
+        # over that band is the scan over every cell.
+        arc = math.degrees(radius / EARTH_RADIUS_M) if math.isfinite(radius) else 180.0
+        h = self.grid.cell_height
+        band = np.flatnonzero(np.minimum(np.abs(self.y0 - lat), np.abs(self.y0 + h - lat))
+                              <= arc)
+        return self._scan(band, lon, lat, k)
+
+    def _scan(self, cells: npt.NDArray[np.int64], lon: float, lat: float, k: int) -> float:
+        g = self.grid
+        x0, y0, n = self.x0[cells], self.y0[cells], self.n[cells]
+        far = np.zeros(len(cells))
+        for dx in (0.0, 1.0):
+            for dy in (0.0, 0.5, 1.0):  # corners, and the middle of the sides (large cells)
+                far = np.maximum(far, haversine_m(lon, lat, x0 + dx * g.cell_width,
+                                                  y0 + dy * g.cell_height))
+        order = np.argsort(far, kind="stable")
+        i = int(np.searchsorted(np.cumsum(n[order]), k))
+        if i >= len(order):
+            return math.inf
+        radius = float(far[order][i]) * 1.05 + 1.0
+        return radius if radius < WORLD_M else math.inf
 
 
 def cell_totals(raw_fields: Iterable[bytes | None], horizon_bucket: int) -> dict[int, int]:

@@ -191,7 +191,7 @@ class Router:
         self.history = knnreg.PlanHistory()
         # tenant -> (when read, cell -> records in the window): the first radius of kNN
         # registrations (one read serves the subscriptions created in the same second)
-        self._cell_totals: dict[str, tuple[float, dict[int, int]]] = {}
+        self._cell_totals: dict[str, tuple[float, knnreg.CountGrid]] = {}
 
     # --- the plan ------------------------------------------------------------------------
     async def current_index(self) -> GlobalIndex:
@@ -425,7 +425,7 @@ class Router:
             totals = await self._tenant_cell_totals(row.tenant, index, now)
             spec: dict[str, Any] = row.spec
             lon, lat = float(spec["point"][0]), float(spec["point"][1])
-            radius = knnreg.initial_radius(index.grid, lon, lat, int(spec["k"]), totals)
+            radius = totals.radius(lon, lat, int(spec["k"]))
             workers = (set(index.workers) if not math.isfinite(radius) else
                        await self._circle_workers(index, horizon, lon, lat, radius))
             out[row.id] = (radius, workers)
@@ -439,7 +439,7 @@ class Router:
         return knnreg.circle_workers([index, *plans], lon, lat, radius)
 
     async def _tenant_cell_totals(self, tenant: str, index: GlobalIndex, now: float
-                                  ) -> dict[int, int]:
+                                  ) -> knnreg.CountGrid:
         held = self._cell_totals.get(tenant)
         if held is not None and now - held[0] < 1.0:
             return held[1]
@@ -451,7 +451,8 @@ class Router:
         for w in index.workers:
             pipe.hmget(names.cell_counts_key(w), fields)
         got = await pipe.execute()
-        totals = knnreg.cell_totals((r for per in got for r in per), horizon)
+        totals = knnreg.CountGrid(index.grid,
+                                  knnreg.cell_totals((r for per in got for r in per), horizon))
         self._cell_totals[tenant] = (now, totals)
         if len(self._cell_totals) > 1000:
             self._cell_totals.clear()

@@ -32,12 +32,22 @@ def test_every_list_is_checked() -> None:
 
 
 def test_tiny_live_run_delivers_exact_last_lists() -> None:
+    """Both registrations side by side (bounded, then the broadcast baseline)."""
     out = subprocess.run(
         [sys.executable, "-m", "app.cli", "bench", "knn", "--live", "--objects", "2000",
          "--subs", "100", "--rate", "400", "--seconds", "3", "--request", "40"],
         cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stderr[-3000:] + out.stdout
-    rows = dict(line.split(None, 1) for line in out.stdout.splitlines() if line.strip())
-    assert rows["last_lists_checked"] == "100" and rows["last_lists_wrong"] == "0", out.stdout
-    assert int(rows["probes_timed"]) > 0 and rows["probes_lost"] == "0", out.stdout
-    assert float(rows["latency_ms_p99"]) > 0, out.stdout
+    lines = out.stdout.splitlines()
+    assert lines[0].split() == ["bounded", "broadcast"], out.stdout
+    rows = {line.split()[0]: line.split()[1:] for line in lines[1:]
+            if line.strip() and not line.startswith("worker CPU per update,")}
+    for i in (0, 1):
+        assert rows["last_lists_checked"][i] == "100", out.stdout
+        assert rows["last_lists_wrong"][i] == "0", out.stdout
+        assert int(rows["probes_timed"][i]) > 0 and rows["probes_lost"][i] == "0", out.stdout
+        assert float(rows["latency_ms_p99"][i]) > 0, out.stdout
+    # the baseline holds every subscription on both workers; bounded ones fewer
+    assert float(rows["workers_per_subscription"][1]) == 2.0, out.stdout
+    assert float(rows["workers_per_subscription"][0]) < 2.0, out.stdout
+    assert "broadcast / bounded" in lines[-1], out.stdout
