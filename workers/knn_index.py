@@ -44,7 +44,7 @@ def mindist_m(lon: float, lat: float, x0: F64, y0: F64, x1: F64, y1: F64,
     return np.maximum(d * (1.0 - 1e-9) - _SLACK_M, 0.0)
 
 
-BLOCK = 3  # cells a side of the first block a search looks in
+BLOCKS = (1, 3, 7, 15)  # half-sides (in cells) of the blocks a search tries before all cells
 FIRST_CELLS = 32  # then the cells nearest to the point, before all the others
 
 
@@ -184,9 +184,10 @@ class PointIndex:
         within `within` metres, ordered by (distance rounded to the millimetre, id)."""
         if k <= 0 or not self.where:
             return []
-        near = self._nearest_in_block(lon, lat, k, accepts)
-        if near is not None:
-            return [n for n in near if n[0] <= within]
+        for half in BLOCKS:
+            near = self._nearest_in_block(lon, lat, k, accepts, half, within)
+            if near is not None:
+                return near
         cid, x0, y0, x1, y1, cos_min = self._cells()
         bound = mindist_m(lon, lat, x0, y0, x1, y1, cos_min)
         if math.isfinite(within):  # only the cells that reach within the radius
@@ -233,32 +234,59 @@ class PointIndex:
             elif len(best) == k:
                 best.sort()
 
-    def _nearest_in_block(self, lon: float, lat: float, k: int, accepts: Accepts | None
-                          ) -> list[Neighbor] | None:
-        """The answer from the block of BLOCK x BLOCK cells around the point, when it holds k
-        points nearer than anything outside the block can be; None otherwise."""
+    def _nearest_in_block(self, lon: float, lat: float, k: int, accepts: Accepts | None,
+                          half: int, within: float) -> list[Neighbor] | None:
+        """The answer from the block of (2 half + 1)² cells around the point, when nothing
+        outside it can be in the answer: it holds k points nearer than anything outside the
+        block can be, or the circle of radius `within` lies inside it. None otherwise."""
         g = self.grid
         cx = min(max(math.floor((lon - g.bounds[0]) / g.cell_width), 0), g.nx - 1)
         cy = min(max(math.floor((lat - g.bounds[1]) / g.cell_height), 0), g.ny - 1)
-        r = BLOCK // 2
-        xa, xb = max(cx - r, 0), min(cx + r, g.nx - 1)
-        ya, yb = max(cy - r, 0), min(cy + r, g.ny - 1)
+        xa, xb = max(cx - half, 0), min(cx + half, g.nx - 1)
+        ya, yb = max(cy - half, 0), min(cy + half, g.ny - 1)
+        escape = _escape_m(g, lon, lat, xa, ya, xb, yb)
+        inside = within + _SLACK_M < escape  # the circle within the block
         cells = [c for y in range(ya, yb + 1) for x in range(xa, xb + 1)
                  if (c := self.cells.get(y * g.nx + x)) is not None]
-        if sum(len(c) for c in cells) < k:
+        if not inside and sum(len(c) for c in cells) < k:
             return None
+        if not cells:
+            return []
+        # every slot of the block at once; free slots are NaN
+        sizes = [len(c.ids) for c in cells]
+        lons = np.concatenate([c.lon[:n] for c, n in zip(cells, sizes, strict=True)])
+        lats = np.concatenate([c.lat[:n] for c, n in zip(cells, sizes, strict=True)])
+        which = np.repeat(np.arange(len(cells)), sizes)
+        slot = np.arange(len(lons)) - np.repeat(np.cumsum(sizes) - sizes, sizes)
+        d = haversine_m(lon, lat, lons, lats)
+        held = np.flatnonzero(~np.isnan(d))
+        # The candidates: the k nearest, and whatever is as near up to the rounding of
+        # distances to the millimetre (ties are then broken by id).
+        if accepts is None:
+            if held.size > k:
+                kth = float(d[held[np.argpartition(d[held], k - 1)[k - 1]]])
+                cand = held[d[held] <= kth + _SLACK_M].tolist()
+            else:
+                cand = held.tolist()
+        else:
+            cand = []
+            bound = math.inf
+            for j in held[np.argsort(d[held], kind="stable")].tolist():
+                if d[j] > bound:
+                    break
+                if accepts(cells[which[j]].kws[slot[j]]):
+                    cand.append(j)
+                    if len(cand) == k:
+                        bound = float(d[j]) + _SLACK_M
+            if len(cand) < k and not inside:
+                return None
         best: list[Neighbor] = []
-        for cell in cells:
-            n = len(cell.ids)
-            d = haversine_m(lon, lat, cell.lon[:n], cell.lat[:n])
-            for i in np.flatnonzero(~np.isnan(d)).tolist():
-                if accepts is None or accepts(cell.kws[i]):
-                    best.append((round(float(d[i]), 3), cell.ids[i], float(cell.lon[i]),
-                                 float(cell.lat[i]), cell.keys[i]))
-        if len(best) < k:
-            return None
+        for j in cand:
+            cell, i = cells[which[j]], int(slot[j])
+            best.append((round(float(d[j]), 3), cell.ids[i], float(lons[j]), float(lats[j]),
+                         cell.keys[i]))
         best.sort()
         del best[k:]
-        if best[-1][0] + _SLACK_M >= _escape_m(g, lon, lat, xa, ya, xb, yb):
+        if not inside and (len(best) < k or best[-1][0] + _SLACK_M >= escape):
             return None  # something outside the block could be nearer
-        return best
+        return [n for n in best if n[0] <= within] if inside else best
