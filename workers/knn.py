@@ -409,11 +409,12 @@ class KnnState:
         for key in moved:
             for sid in self.members.get(key, ()):
                 left.setdefault(sid, set()).add(key)
+        dist = self._distances(left)
         for sid, keys in left.items():
             sub = self.subs.get(sid)
             if sub is None:
                 continue
-            new = self._repair(sub, keys)
+            new = self._repair(sub, keys, dist)
             if new is None:
                 again.add(sid)
                 new = self._search(sub)
@@ -432,7 +433,22 @@ class KnnState:
                     changed[sub.id] = sub
         return list(changed.values())
 
-    def _repair(self, sub: KnnSub, keys: set[tuple[int, str]]) -> list[Neighbor] | None:
+    def _distances(self, left: dict[str, set[tuple[int, str]]]
+                   ) -> dict[tuple[str, tuple[int, str]], float]:
+        """(subscription, member) -> the member's new distance (rounded to the millimetre)
+        for the members still held, in one numpy call."""
+        assert self.points is not None
+        rows = [(sid, key, sub.lon, sub.lat, held[1], held[2])
+                for sid, keys in left.items() if (sub := self.subs.get(sid)) is not None
+                for key in keys if (held := self.points.get(key)) is not None]
+        if not rows:
+            return {}
+        a = np.asarray([r[2:] for r in rows], dtype=np.float64)
+        d = haversine_m(a[:, 0], a[:, 1], a[:, 2], a[:, 3])
+        return {(r[0], r[1]): round(v, 3) for r, v in zip(rows, d.tolist(), strict=True)}
+
+    def _repair(self, sub: KnnSub, keys: set[tuple[int, str]],
+                dist: dict[tuple[str, tuple[int, str]], float]) -> list[Neighbor] | None:
         """The list after some of its members moved or left, without a search when that is
         certain: every object outside the list is farther than its k-th (ties by id), so
         members that moved no farther than the k-th are still the k nearest. None when a
@@ -446,7 +462,7 @@ class KnnState:
             n = None
             if held is not None and (not sub.keywords or sub.accepts(held[3])):
                 _, x, y, _kws = held
-                n = (round(float(haversine_m(sub.lon, sub.lat, x, y)), 3), key[1], x, y, key)
+                n = (dist[(sub.id, key)], key[1], x, y, key)
             if n is None or n[0] > sub.radius:
                 if full:
                     return None
@@ -478,11 +494,11 @@ class KnnState:
         d = haversine_m(reach.lon[si], reach.lat[si], lon[ci], lat[ci])
         hit = np.flatnonzero(d <= reach.kth[si] + 0.001)
         found: dict[int, list[Neighbor]] = {}
-        for j in hit.tolist():
-            s_ix, c_ix = int(si[j]), int(ci[j])
+        for s_ix, c_ix, dj in zip(si[hit].tolist(), ci[hit].tolist(), d[hit].tolist(),
+                                  strict=True):
             sub = reach.subs[s_ix]
             key, x, y, kws = cands[c_ix]
             if sub is None or (sub.keywords and not sub.accepts(kws)):
                 continue
-            found.setdefault(s_ix, []).append((round(float(d[j]), 3), key[1], x, y, key))
+            found.setdefault(s_ix, []).append((round(dj, 3), key[1], x, y, key))
         return [(sub, found[i]) for i in sorted(found) if (sub := reach.subs[i]) is not None]
