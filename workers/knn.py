@@ -423,8 +423,7 @@ class KnnState:
                 changed[sid] = sub
         cands = [(key, *held[1:]) for key in placed if (held := points.get(key))]
         if cands:
-            rest = [sub for sid, sub in self.subs.items() if sid not in again]
-            for sub, entering in self._entering(rest, cands):
+            for sub, entering in self._entering(again, cands):
                 mine = {n[4] for n in sub.local}  # placed before the subscription's search
                 merged = sorted(sub.local + [n for n in entering if n[4] not in mine
                                              and n[0] <= sub.radius])[:sub.k]
@@ -473,12 +472,13 @@ class KnnState:
         out.sort()
         return out
 
-    def _entering(self, subs: list[KnnSub],
+    def _entering(self, again: set[str],
                   cands: list[tuple[tuple[int, str], float, float, frozenset[str]]]
                   ) -> list[tuple[KnnSub, list[Neighbor]]]:
-        """For each of `subs`, the candidates nearer than its k-th (any while it holds fewer
-        than k) that satisfy its keywords: the pairs `Reach` gives, their distances at once."""
-        if not subs:
+        """For each subscription but those searched `again`, the candidates nearer than its
+        k-th (any within its radius while it holds fewer than k) that satisfy its keywords:
+        the pairs `Reach` gives, their distances at once."""
+        if len(again) >= len(self.subs):
             return []
         reach = self.reach
         lon = np.asarray([c[1] for c in cands], dtype=np.float64)
@@ -486,9 +486,9 @@ class KnnState:
         si, ci = reach.pairs(lon, lat)
         if not si.size:
             return []
-        if len(subs) < len(self.subs):  # those searched again take no candidates
-            wanted = np.zeros(len(reach.subs), dtype=bool)
-            wanted[[reach.slot[s.id] for s in subs]] = True
+        if again:  # those searched again take no candidates
+            wanted = np.ones(len(reach.subs), dtype=bool)
+            wanted[[reach.slot[sid] for sid in again if sid in reach.slot]] = False
             keep = wanted[si]
             si, ci = si[keep], ci[keep]
         d = haversine_m(reach.lon[si], reach.lat[si], lon[ci], lat[ci])
