@@ -2,9 +2,9 @@
 
 Each worker keeps the objects it owns — the latest position of moving objects in its
 partitions and the events of the live window, bucketed by arrival time — and, for every kNN
-subscription of a tenant, its local top-k. When a local top-k changes, a Redis script merges
-the workers' local lists atomically into the global ordered list and appends it to the
-subscription's history when its membership changed (one decision point, no lost update).
+subscription registered on it, its local top-k within the registration's radius. When a local
+top-k changes, the merge script of `app.pipeline.knnreg` combines the workers' local lists
+atomically into the global ordered list (one decision point, no lost update).
 """
 
 from __future__ import annotations
@@ -26,43 +26,6 @@ from workers.window import LiveWindow
 MOVING, EVENT = 0, 1  # the kinds of object a worker holds (their ids may coincide)
 REACH_GRID = Grid(nx=720, ny=360)  # half-degree cells: which lists an arrival can enter
 MAX_REACH_CELLS = 256  # a list reaching over more cells is checked against every arrival
-
-# KEYS[1] = gs:knn:<sub> (hash: worker -> local list JSON, "_merged" -> ids JSON)
-# KEYS[2] = history stream, KEYS[3] = its last-id marker (see HISTORY_SCRIPT);
-# ARGV = worker, local list JSON, k, maxlen, ttl, tenant, marker ttl
-MERGE_SCRIPT = """
-redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
-local k = tonumber(ARGV[3])
-local all = {}
-local fields = redis.call('HGETALL', KEYS[1])
-for i = 1, #fields, 2 do
-  if fields[i] ~= '_merged' then
-    for _, n in ipairs(cjson.decode(fields[i + 1])) do all[#all + 1] = n end
-  end
-end
-table.sort(all, function(a, b)
-  if a[1] ~= b[1] then return a[1] < b[1] end
-  return a[2] < b[2]
-end)
-local top, ids = {}, {}
-for i = 1, math.min(k, #all) do
-  local n = all[i]
-  top[#top + 1] = {id = n[2], lon = n[3], lat = n[4], distance_m = n[1]}
-  ids[#ids + 1] = n[2]
-end
-local key = table.concat(ids, '\\0')
-if redis.call('HGET', KEYS[1], '_merged') == key then return 0 end
-redis.call('HSET', KEYS[1], '_merged', key)
-local payload = '[]'
-if #top > 0 then payload = cjson.encode(top) end
-local prev = redis.call('GET', KEYS[3]) or '0-0'
-local id = redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[4], '*', 'k', payload, 't', ARGV[6],
-                      'p', prev)
-redis.call('EXPIRE', KEYS[2], ARGV[5])
-redis.call('SET', KEYS[3], id, 'EX', ARGV[7])
-redis.call('EXPIRE', KEYS[1], 30 * 24 * 3600)
-return 1
-"""
 
 
 @dataclass
