@@ -419,24 +419,18 @@ class Router:
         if self.replicated or self.settings.knn_broadcast:
             return {r.id: (math.inf, set(index.workers)) for r in rows}
         now = time.time()
-        horizon = now - self.settings.window_s - self.settings.bucket_s
+        plans = await self.plans_since(now - self.settings.window_s - self.settings.bucket_s,
+                                       index)
         out: dict[str, tuple[float, set[str]]] = {}
         for row in rows:
             totals = await self._tenant_cell_totals(row.tenant, index, now)
             spec: dict[str, Any] = row.spec
             lon, lat = float(spec["point"][0]), float(spec["point"][1])
             radius = totals.radius(lon, lat, int(spec["k"]))
-            workers = (set(index.workers) if not math.isfinite(radius) else
-                       await self._circle_workers(index, horizon, lon, lat, radius))
+            workers = (set(index.workers) if not math.isfinite(radius) or plans is None
+                       else knnreg.circle_workers([index, *plans], lon, lat, radius))
             out[row.id] = (radius, workers)
         return out
-
-    async def _circle_workers(self, index: GlobalIndex, horizon: float, lon: float,
-                              lat: float, radius: float) -> set[str]:
-        plans = await self.plans_since(horizon, index)
-        if plans is None:
-            return set(index.workers)
-        return knnreg.circle_workers([index, *plans], lon, lat, radius)
 
     async def _tenant_cell_totals(self, tenant: str, index: GlobalIndex, now: float
                                   ) -> knnreg.CountGrid:
