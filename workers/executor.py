@@ -25,6 +25,7 @@ from redis.retry import Retry
 from app.core.config import Settings
 from app.core.db import make_engine, make_sessionmaker
 from app.geo import balance
+from app.geo.geometry import circle_bbox
 from app.geo.index import GlobalIndex, Partition
 from app.pipeline import cluster, names, records, wire
 from app.pipeline.control import PLAN_CAS_SCRIPT
@@ -264,9 +265,8 @@ class Executor:
             if not bounded and not restart:
                 continue
             if bounded and not (restart and named):
-                rect = rect_of(grid, {"type": "range", "circle": {
-                    "lon": m.spec["point"][0], "lat": m.spec["point"][1],
-                    "radius_m": radius}})
+                rect = grid.cell_range(circle_bbox(float(m.spec["point"][0]),
+                                                   float(m.spec["point"][1]), radius))
                 if not any(p.overlaps(*rect) for p in parts):
                     continue
             mine.append(wire.SubscriptionCopy(
@@ -340,6 +340,8 @@ class Executor:
             "subscriptions": len(self.subs) + sum(len(s.subs) for s in self.knn.values()),
             "plan_version": self.index.plan.version if self.index else None,
             "partitions": self.owned_ids, "forwarded": self.forwarded, "folds": self.ledger.folds,
+            "knn_registrations": sum(len(s.subs) for s in self.knn.values()),
+            "knn_resizes": dict(self.knnreg.resizes),
         }
         self.redis.hset(names.WORKERS_KEY, self.id, orjson.dumps(info))
 

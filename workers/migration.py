@@ -182,11 +182,12 @@ class Migration:
         taken = set(msg.partitions)
         parts = [p for p in ex.owned() if p.id in taken]
         # The dead worker's lists, and the tokens waiting for it, leave every kNN hash
-        # first; then the registrations reaching the partitions taken report.
+        # first; then the registrations reaching the partitions taken report, once their
+        # moving objects are here.
         msgs = ex.sql_subscriptions()
         ex.knnreg.drop_worker([m.id for m in msgs if m.spec["type"] == "knn"], msg.dead, pipe)
-        ex.rebuild_subscriptions(parts, pipe, msgs)
         ex.rebuild_positions(parts)
+        ex.rebuild_subscriptions(parts, pipe, msgs)
         for tenant, state in ex.knn.items():
             if state.subs:
                 ex.merge_knn(tenant, list(state.subs.values()), pipe)
