@@ -269,6 +269,9 @@ class KnnState:
         if ((MOVING, oid) in self.members and self.objects.moving_ts.get(oid, math.inf) <= ts
                 and oid in self.objects.moving):
             self.ghosts[oid] = ts
+            # it stays where it was, but a record older than the exit (one forwarded after a
+            # plan change) must not bring it back here
+            self.objects.moving_ts[oid] = ts
             self.asks.append((oid, ts, lon, lat))
             return
         self.remove_moving(oid, ts)

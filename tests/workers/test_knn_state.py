@@ -150,3 +150,35 @@ def test_nearest_across_the_antimeridian() -> None:
     index.add("across", "across", -179.999, 0.09, frozenset())  # 220 m, across 180
     assert [n[1] for n in index.nearest(179.999, 0.09, 1)] == ["across"]
     assert [n[1] for n in index.nearest(-179.95, 0.09, 2)] == ["across", "near-side"]
+
+
+def test_a_listed_object_leaving_stays_until_its_new_owner_has_it() -> None:
+    """An exit (the object's record put it in another worker's partition) of an object a list
+    holds leaves it listed where it was, until `arrived`; a record older than the exit (one
+    forwarded late after a plan change) does not bring it back; a newer one does."""
+    state = KnnState(window_s=60.0, bucket_s=1.0)
+    state.upsert_moving("a", 0.0, 0.0, frozenset(), 1.0)
+    state.upsert_moving("b", 0.5, 0.0, frozenset(), 1.0)
+    sub = state.add(KnnSub("s", 0.0, 0.0, 2, frozenset(), False))
+    assert [n[1] for n in sub.local] == ["a", "b"]
+    state.exit_moving("a", 10.0, 10.0, 5.0)
+    assert state.refresh() == [] and [n[1] for n in sub.local] == ["a", "b"]
+    assert state.take_asks() == [("a", 5.0, 10.0, 10.0)]
+    state.upsert_moving("a", 0.1, 0.0, frozenset(), 3.0)  # older than the exit
+    assert state.refresh() == [] and sub.local[0][2] == 0.0
+    state.arrived("a", 4.0)  # not the exit it waits for
+    assert state.refresh() == [] and "a" in state.ghosts
+    state.arrived("a", 5.0)
+    assert [s.id for s in state.refresh()] == ["s"] and [n[1] for n in sub.local] == ["b"]
+    # an object that no list holds leaves at once
+    state.upsert_moving("c", 20.0, 20.0, frozenset(), 1.0)
+    state.exit_moving("c", 30.0, 30.0, 2.0)
+    assert state.take_asks() == [] and "c" not in state.objects.moving
+    # a newer record of a ghost brings it back where that record puts it
+    state.upsert_moving("a", 0.2, 0.0, frozenset(), 6.0)
+    state.refresh()
+    state.exit_moving("a", 10.0, 10.0, 7.0)
+    state.upsert_moving("a", 0.3, 0.0, frozenset(), 8.0)
+    assert "a" not in state.ghosts
+    state.refresh()
+    assert sub.local[0][1] == "a" and sub.local[0][2] == 0.3
