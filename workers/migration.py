@@ -237,10 +237,11 @@ class Migration:
             held: set[str] = set()
             for tenant, state in ex.knn.items():
                 subs += ex.knnreg.handoff(state, reaches)
-                objs = state.objects.moving_in(inside)
+                # ghosts (on their way to another worker's partition) are not handed off:
+                # they stay here, in the lists that hold them, until their new owner has them
+                objs = [o for o in state.objects.moving_in(inside) if o[0] not in state.ghosts]
                 if objs:
-                    # ghosts (on their way to another partition) leave without being handed
-                    mv[tenant] = [o for o in objs if o[0] not in state.ghosts]
+                    mv[tenant] = objs
                     leaving.append((tenant, [o[0] for o in objs]))
                     # lists holding an object handed off wait for the receiver to take it
                     for o in objs:
