@@ -618,6 +618,11 @@ class Coordinator:
                                     moved=None, to=owner, ids=self.new_ids(plan, 2),
                                     plan_version=plan.version)
         reply = self.command(owner, msg, cfg)
+        give_up = time.monotonic() + cfg.reply_timeout_s
+        while (reply is not None and not reply.ok and "not processed yet" in (reply.error or "")
+               and time.monotonic() < give_up):
+            time.sleep(0.05)  # the owner is still reading a handoff to it: nothing was done
+            reply = self.command(owner, msg, cfg)
         rec = RoundRecord(round=n, started_at=started, kind="manual",
                           stage=self.pointer.stage.name, decision="manual",
                           r_s=float(self.state.get("r_s") or 0.0),

@@ -117,6 +117,7 @@ class Executor:
         self.migration = Migration(self)
         self.knnreg = KnnRegistry(self)
         self.sub_msgs: dict[str, wire.SubscriptionCopy] = {}  # what the handoffs carry
+        self.awaiting: set[str] = set()  # our partitions whose handoff is still in our stream
         self.tombstones: dict[str, float] = {}
         self.round_received = 0  # objects and subscriptions this round (replicated mode's R)
         self.forwarded = 0
@@ -205,7 +206,15 @@ class Executor:
 
     def set_index(self, index: GlobalIndex) -> None:
         """A newer plan: the subscriptions are indexed for the partitions it gives us (the
-        statistics follow in `sync_stats`, where the protocol says)."""
+        statistics follow in `sync_stats`, where the protocol says). Partitions it moves to
+        us from another worker are awaited until their handoff (or takeover) is processed:
+        until then, what they hold is not here, and they must not be handed on."""
+        if self.index is not None:
+            known = {p.id for p in self.index.plan.partitions}
+            self.awaiting |= {p.id for p in index.plan.partitions
+                              if p.worker == self.id and p.id not in known
+                              and p.prev_owner not in (None, self.id)}
+        self.awaiting &= {p.id for p in index.plan.partitions if p.worker == self.id}
         self.index = index
         self.subs.sync(index, self.owned())
 

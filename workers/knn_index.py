@@ -54,7 +54,11 @@ def _escape_m(g: Grid, lon: float, lat: float, xa: int, ya: int, xb: int, yb: in
     distance to the meridians of its west and east sides (sin d = cos(lat) sin(dlon), the
     nearest a point at that longitude can be). A side on the grid's edge has nothing beyond it
     (points beyond the bounds are clipped into the edge cells), except the antimeridian of a
-    grid around the whole world: the bound is 0 there, and the search scans every cell."""
+    grid around the whole world: the bound is 0 there, and the search scans every cell. It is
+    0 too for a point beyond the bounds (clipped into an edge cell): across the antimeridian,
+    points clipped into the opposite edge may be next to it."""
+    if not (g.bounds[0] <= lon <= g.bounds[2] and g.bounds[1] <= lat <= g.bounds[3]):
+        return 0.0
     x0 = g.bounds[0] + xa * g.cell_width
     x1 = g.bounds[0] + (xb + 1) * g.cell_width
     y0 = g.bounds[1] + ya * g.cell_height

@@ -139,6 +139,7 @@ class Migration:
         moving objects, read before anything routed to us under the new plan."""
         ex = self.ex
         self._load_plan_of(msg.plan_version, "handoff")
+        ex.awaiting.difference_update(msg.partitions)
         ledger = ex.ledger
         for pid in msg.partitions:
             # seen early in a plan reload: seed it again, now with what the handoff brings
@@ -180,6 +181,7 @@ class Migration:
         self._load_plan_of(msg.plan_version, "takeover")
         ex.sync_stats()
         taken = set(msg.partitions)
+        ex.awaiting.difference_update(taken)
         parts = [p for p in ex.owned() if p.id in taken]
         # The dead worker's lists, and the tokens waiting for it, leave every kNN hash
         # first; then the registrations reaching the partitions taken report, once their
@@ -277,7 +279,10 @@ class Migration:
                 if changed:
                     ex.merge_knn(tenant, changed, pipe)
                     notify.setdefault(tenant, set()).update(s.id for s in changed)
-            ex.knnreg.settle(pipe, pipe.execute())
+            try:
+                ex.knnreg.settle(pipe, pipe.execute())
+            finally:
+                ex.knnreg.forget(pipe)
             ex.notify([], [], notify)
         log.info("worker %s published plan %d: gave %s", ex.id, new_plan.version,
                  {w: [p.id for p in ps] for w, ps in by_worker.items()})
@@ -297,6 +302,9 @@ class Migration:
                                  f"(current {ex.version})")
         if ex.replicated:
             raise CommandRefused("partitioning is replicated: nothing to move")
+        if ex.awaiting:  # what they hold is not here yet: it would not be handed on
+            raise CommandRefused(f"handoffs of {sorted(ex.awaiting)} to {ex.id} are not "
+                                 "processed yet")
         assert ex.index is not None
         plan = ex.index.plan
         mine = {p.id: p for p in ex.owned()}

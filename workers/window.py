@@ -35,10 +35,11 @@ class LiveWindow:
     def remove_moving(self, oid: str, ts: float) -> bool:
         """The object moved to another worker's partition with record `ts`; a newer record
         that already came back here (streams of two workers are not ordered) wins."""
-        if oid in self.moving and self.moving_ts[oid] <= ts:
-            del self.moving[oid]
+        if self.moving_ts.get(oid, -1.0) <= ts:
+            # kept even when the object is not here (yet): a handoff still in our stream may
+            # bring an older record of it, which must not come back
             self.moving_ts[oid] = ts
-            return True
+            return self.moving.pop(oid, None) is not None
         return False
 
     def moving_in(self, inside: Any) -> list[tuple[str, float, float, list[str], float]]:

@@ -61,16 +61,23 @@ def owner(plan: Plan, lon: float, lat: float) -> tuple[str, str]:
 def command(server: LiveServer, worker: str, msg: dict[str, Any], timeout: float = 20.0,
             deadline: float | None = None) -> dict[str, Any] | None:
     """Send one balancing command as the coordinator would; the worker's reply (None on
-    timeout)."""
+    timeout). A worker that has not processed a handoff it received yet refuses: sent
+    again, as the coordinator does in its next round."""
     client = redis.Redis.from_url(server.redis_url)
-    plan = plan_of(server)
-    token = secrets.token_hex(8)
-    first = int(client.incrby(names.PART_SEQ, 8)) - 7
-    body = {"version": plan.version, "deadline": deadline or time.time() + timeout,
-            "reply": token, "ids": partition_ids(first + 107, 8), **msg}
-    client.xadd(names.command_stream(worker), {b"m": msgspec.msgpack.encode(body)})
-    got = client.blpop([names.reply_key(token)], timeout=timeout)
-    return None if got is None else orjson.loads(got[1])
+    give_up = time.time() + timeout
+    while True:
+        plan = plan_of(server)
+        token = secrets.token_hex(8)
+        first = int(client.incrby(names.PART_SEQ, 8)) - 7
+        body = {"version": plan.version, "deadline": deadline or time.time() + timeout,
+                "reply": token, "ids": partition_ids(first + 107, 8), **msg}
+        client.xadd(names.command_stream(worker), {b"m": msgspec.msgpack.encode(body)})
+        got = client.blpop([names.reply_key(token)], timeout=timeout)
+        reply = None if got is None else orjson.loads(got[1])
+        if (reply is None or reply["ok"] or "not processed yet" not in (reply["error"] or "")
+                or time.time() > give_up):
+            return reply
+        time.sleep(0.05)
 
 
 async def open_tenant(server: LiveServer, client: httpx.AsyncClient, rng: random.Random,
