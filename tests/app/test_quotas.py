@@ -257,7 +257,7 @@ def test_a_lost_slot_of_an_open_connection_is_taken_again(quota_app: InProcessSe
             client.delete(names.ws_slots_key(tenant))
         finally:
             client.close()
-        assert slots(s, tenant) == 0
+        # (the app's own renewal round may already have taken it again: that is the point)
         assert s.portal.call(quotas.renew_connections, s.app.state.gs) >= 1
         assert slots(s, tenant) == 1
     finally:
