@@ -70,6 +70,19 @@ class Listener:
         return [m for m in self.messages if m["type"] == "match"]
 
 
+async def subscribe_listening(server: LiveServer, client: Any, key: str,
+                              specs: list[dict[str, Any]]) -> tuple[list[str], Listener]:
+    """Create `specs` in one batch and a WebSocket listening to them."""
+    r = await client.post("/v1/subscriptions/batch", json={"subscriptions": specs},
+                          headers={"Authorization": f"Bearer {key}"})
+    assert r.status_code == 201, r.text
+    ids: list[str] = r.json()["ids"]
+    listener = Listener(server.ws_url, key)
+    await listener.connect()
+    await listener.listen(ids)
+    return ids, listener
+
+
 async def wait_for(predicate: Any, timeout: float = 30.0, interval: float = 0.05) -> bool:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout

@@ -80,6 +80,22 @@ def command(server: LiveServer, worker: str, msg: dict[str, Any], timeout: float
         time.sleep(0.05)
 
 
+def move_or_split(server: LiveServer, lon: float, lat: float, i: int, split: bool) -> None:
+    """Move the partition holding (lon, lat) to another worker (the i-th choice), or split
+    it near lon 0 and move its low half there."""
+    plan = plan_of(server)
+    pid, w = owner(plan, lon, lat)
+    other = sorted({"w0", "w1", "w2"} - {w})[i % 2]
+    p = next(q for q in plan.partitions if q.id == pid)
+    if split and p.width > 1:
+        msg: dict[str, Any] = {"t": "split", "partition": pid, "axis": "x",
+                               "at": min(max(p.x0, 499), p.x1 - 1), "moved": "low", "to": other}
+    else:
+        msg = {"t": "move", "partitions": [pid], "to": other}
+    reply = command(server, w, msg)
+    assert reply is not None and reply["ok"], reply
+
+
 async def open_tenant(server: LiveServer, client: httpx.AsyncClient, rng: random.Random,
                       n_subs: int) -> tuple[str, Oracle, Listener]:
     """A new tenant with `n_subs` random subscriptions and a WebSocket listening to all."""
@@ -250,18 +266,7 @@ def test_continuous_knn_across_moves(cluster: LiveServer) -> None:
     from tests.workers.test_pipeline import _knn
 
     def between(i: int) -> None:
-        plan = plan_of(cluster)
-        pid, w = owner(plan, [0.0, 0.3, -1.0][i % 3], [0.0, 0.1, 0.5][i % 3])
-        other = sorted({"w0", "w1", "w2"} - {w})[i % 2]
-        p = next(q for q in plan.partitions if q.id == pid)
-        if i % 2 and p.width > 1:
-            msg: dict[str, Any] = {"t": "split", "partition": pid, "axis": "x",
-                                   "at": min(max(p.x0, 499), p.x1 - 1), "moved": "low",
-                                   "to": other}
-        else:
-            msg = {"t": "move", "partitions": [pid], "to": other}
-        reply = command(cluster, w, msg)
-        assert reply is not None and reply["ok"], reply
+        move_or_split(cluster, [0.0, 0.3, -1.0][i % 3], [0.0, 0.1, 0.5][i % 3], i, i % 2 == 1)
 
     asyncio.run(_knn(cluster, between))
 
@@ -340,19 +345,8 @@ async def _knn_history(server: LiveServer) -> None:
     states: list[dict[str, tuple[float, float, list[str]]]] = [dict(live)]
 
     def reshape(i: int) -> None:
-        plan = plan_of(server)
         px, py = KNN_SPECS[i % len(KNN_SPECS)]["point"]
-        pid, w = owner(plan, px, py)
-        other = sorted(set(workers) - {w})[i % 2]
-        p = next(q for q in plan.partitions if q.id == pid)
-        if i % 2 == 0 and p.width > 1:
-            msg: dict[str, Any] = {"t": "split", "partition": pid, "axis": "x",
-                                   "at": min(max(p.x0, 499), p.x1 - 1), "moved": "low",
-                                   "to": other}
-        else:
-            msg = {"t": "move", "partitions": [pid], "to": other}
-        reply = command(server, w, msg)
-        assert reply is not None and reply["ok"], reply
+        move_or_split(server, px, py, i, i % 2 == 0)
 
     async with httpx.AsyncClient(base_url=server.base_url, timeout=30) as http:
         headers = {"Authorization": f"Bearer {key}"}

@@ -23,7 +23,7 @@ from app.core.redis import EmbeddedRedis
 from app.geo.index import Grid, Partition, Plan, initial_plan
 from app.pipeline import names
 from tests.conftest import LiveServer, auth
-from tests.workers.harness import Listener, run_on_cluster, wait_for
+from tests.workers.harness import Listener, run_on_cluster, subscribe_listening, wait_for
 from tests.workers.oracle import Oracle, knn_oracle, received_matches
 from tests.workers.test_balancing import plan_of
 from tests.workers.test_pipeline import (
@@ -136,12 +136,7 @@ async def _scenario(server: LiveServer) -> None:
         listener = Listener(server.ws_url, key)
         await listener.connect()
         await listener.listen(all=True)
-        r = await client.post("/v1/subscriptions/batch", json={"subscriptions": knn_specs},
-                              headers=auth(key_knn))
-        knn_ids = r.json()["ids"]
-        knn_listener = Listener(server.ws_url, key_knn)
-        await knn_listener.connect()
-        await knn_listener.listen(knn_ids)
+        knn_ids, knn_listener = await subscribe_listening(server, client, key_knn, knn_specs)
         await burst(client, 6)
 
         # 1. w1 dies for good, in the middle of the load

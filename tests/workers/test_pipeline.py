@@ -17,7 +17,7 @@ import redis
 
 from app.pipeline import names
 from tests.conftest import LiveServer, auth, start_server
-from tests.workers.harness import Listener, replay_all, wait_for
+from tests.workers.harness import Listener, replay_all, subscribe_listening, wait_for
 from tests.workers.oracle import Oracle, received_matches
 
 pytestmark = pytest.mark.slow
@@ -298,12 +298,7 @@ async def _knn(server: LiveServer, between: Any = None) -> None:
               "match": "all"}]
     live: dict[str, tuple[float, float, list[str]]] = {}
     async with httpx.AsyncClient(base_url=server.base_url, timeout=30) as client:
-        r = await client.post("/v1/subscriptions/batch", json={"subscriptions": specs},
-                              headers=auth(key))
-        ids = r.json()["ids"]
-        listener = Listener(server.ws_url, key)
-        await listener.connect()
-        await listener.listen(ids)
+        ids, listener = await subscribe_listening(server, client, key, specs)
         latest_ts: dict[str, float] = {}
         clock = 1000.0
         for _ in range(8):  # noqa: B007 - passed to `between`
@@ -381,12 +376,7 @@ async def _knn_bounded(server: LiveServer) -> None:
             live[oid] = (obj["lon"], obj["lat"], record_keywords(obj))
 
     async with httpx.AsyncClient(base_url=server.base_url, timeout=30) as client_http:
-        r = await client_http.post("/v1/subscriptions/batch", json={"subscriptions": specs},
-                                   headers=auth(key))
-        ids = r.json()["ids"]
-        listener = Listener(server.ws_url, key)
-        await listener.connect()
-        await listener.listen(ids)
+        ids, listener = await subscribe_listening(server, client_http, key, specs)
         await put([{"id": f"v{i}", "lon": p[0] + rng.uniform(-0.3, 0.3),
                     "lat": p[1] + rng.uniform(-0.3, 0.3),
                     "keywords": ["taxi"] if i % 2 else ["bus"]}
