@@ -93,7 +93,7 @@ def api(
     if migrate_db:
         upgrade_head(settings)
     uvicorn.run(
-        "app.main:create_app", factory=True, workers=processes if processes > 1 else None,
+        "app.main:create_served_app", factory=True, workers=processes if processes > 1 else None,
         host=host or settings.host, port=port or settings.port,
         log_level="warning", ws_max_size=settings.ws_max_message_bytes,
         ws_ping_interval=settings.ws_ping_s, ws_ping_timeout=settings.ws_ping_s,

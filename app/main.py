@@ -25,11 +25,12 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from app.api.deps import authenticate_request
 from app.api.openapi import TENANT, errors, install_openapi
 from app.api.routes import admin, dashboard, health, keys, objects, queries, stream, subscriptions
+from app.core.collector import collector_loop
 from app.core.config import Settings, get_settings
 from app.core.db import make_engine, make_sessionmaker
 from app.core.errors import ApiError, integrity_problem, is_redis_oom
 from app.core.redis import async_client
-from app.core.security import AuthFailures, install_log_redaction
+from app.core.security import AuthFailures, KeyCache, install_log_redaction
 from app.core.state import AppState
 from app.pipeline.expiry import expiry_loop
 from app.pipeline.hub import Hub
@@ -265,7 +266,15 @@ def install_error_handlers(app: FastAPI) -> None:
         return _error(503, "the database is unavailable; retry later", {"Retry-After": "1"})
 
 
-def create_app(settings: Settings | None = None, redis_url: str | None = None) -> FastAPI:
+def create_served_app() -> FastAPI:
+    """The app of an api process of its own (`geoswarm api`): it also keeps garbage
+    collection from walking its long-lived objects (`app.core.collector`), which an app
+    inside another program (the tests) leaves to that program."""
+    return create_app(own_process=True)
+
+
+def create_app(settings: Settings | None = None, redis_url: str | None = None,
+               own_process: bool = False) -> FastAPI:
     settings = settings or get_settings()
 
     @asynccontextmanager
@@ -280,7 +289,7 @@ def create_app(settings: Settings | None = None, redis_url: str | None = None) -
         engine = make_engine(settings)
         client = async_client(url)
         state = AppState(settings=settings, engine=engine, sessions=make_sessionmaker(engine),
-                         redis=client, redis_url=url)
+                         redis=client, redis_url=url, keys=KeyCache(settings.key_recheck_s))
         state.router = Router(settings, client)
         state.queries = QueryService(settings, client, state.router)
         state.hub = Hub(state)
@@ -290,6 +299,9 @@ def create_app(settings: Settings | None = None, redis_url: str | None = None) -
         expiry = asyncio.create_task(expiry_loop(state), name="expiry")
         recheck = asyncio.create_task(key_recheck_loop(state), name="key-recheck")
         renew = asyncio.create_task(slot_renew_loop(state), name="ws-slot-renew")
+        loops = [recheck, renew]
+        if own_process:
+            loops.append(asyncio.create_task(collector_loop(), name="gc-freeze"))
         try:
             yield
         finally:
@@ -297,7 +309,7 @@ def create_app(settings: Settings | None = None, redis_url: str | None = None) -
             expiry.cancel()
             with contextlib.suppress(asyncio.CancelledError, TimeoutError):
                 await asyncio.wait_for(expiry, 5)
-            for task in (recheck, renew):
+            for task in loops:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError, TimeoutError, Exception):
                     await asyncio.wait_for(task, 5)

@@ -129,6 +129,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--registration", choices=["both", "bounded", "broadcast"],
                     default="both", help="--live: kNN registrations bounded by a radius, "
                     "the broadcast baseline, or both one after the other (default)")
+    ap.add_argument("--balance", type=float, default=0.0, metavar="SECONDS",
+                    help="--live: run a coordinator (SWARM balancing) and pace the load this "
+                    "long, untimed, before the timed part")
     args = ap.parse_args(argv)
     if args.live:
         from bench.knn_live import run as run_live
@@ -136,7 +139,8 @@ def main(argv: list[str] | None = None) -> None:
         modes = (["bounded", "broadcast"] if args.registration == "both"
                  else [args.registration])
         outs = [run_live(args.objects, args.subs, args.k, args.rate, args.seconds,
-                         args.request, args.workers, args.seed, broadcast=m == "broadcast")
+                         args.request, args.workers, args.seed, broadcast=m == "broadcast",
+                         balance_s=args.balance)
                 for m in modes]
         width = max(len(key) for key in outs[0])
         print(f"{'':<{width}}  " + "".join(f"{m:>24}" for m in modes))

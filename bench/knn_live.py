@@ -65,7 +65,8 @@ class KnnReceiver(Listener):
 
 
 async def drive(server: LiveServer, n_objects: int, n_subs: int, k: int, rate: float,
-                seconds: float, batch: int, seed: int, check: int) -> dict[str, Any]:
+                seconds: float, batch: int, seed: int, check: int, warmup_s: float = 0.0
+                ) -> dict[str, Any]:
     rng = np.random.default_rng(seed)
     lon, lat = city_points(n_objects, rng)
     slon, slat = city_points(n_subs, rng, jitter_km=10.0)
@@ -98,31 +99,51 @@ async def drive(server: LiveServer, n_objects: int, n_subs: int, k: int, rate: f
         messages0 = receiver.messages
         cpu0 = cpu_seconds(server)
         interval = batch / rate
-        start = time.perf_counter()
-        sent = 0
-        sends: list[asyncio.Task[None]] = []
         probes = max(1, min(500, n_objects // 10))  # objects 0..probes-1
         superseded = 0
-        while time.perf_counter() - start < seconds:
-            pick = probes + rng.choice(n_objects - probes, size=batch - 1, replace=False)
-            lon[pick] = np.clip(lon[pick] + rng.normal(0, 0.003, pick.size), -180, 180)
-            lat[pick] = np.clip(lat[pick] + rng.normal(0, 0.003, pick.size), -85, 85)
-            p, s = int(rng.integers(probes)), int(rng.integers(n_subs))
-            lon[p], lat[p] = slon[s], slat[s]
-            at = time.time()
-            # a probe object moved again before its list arrived can no longer be timed
-            stale = [q for q, v in receiver.probes.items() if v[0] == ids[p]]
-            for q in stale:
-                del receiver.probes[q]
-            superseded += len(stale)
-            receiver.probes[sub_ids[s]] = (ids[p], float(lon[p]), float(lat[p]), at)
-            objs = [{"id": ids[i], "lon": float(lon[i]), "lat": float(lat[i]), "ts": at}
-                    for i in [p, *pick.tolist()]]
-            sends.append(asyncio.create_task(post(objs)))
-            sent += batch
-            delay = start + (sent / batch) * interval - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
+        sends: list[asyncio.Task[None]] = []
+
+        async def pace(duration: float, timed: bool) -> int:
+            """Updates at the rate for `duration`, each batch with a probe if `timed`."""
+            nonlocal superseded
+            begin = time.perf_counter()
+            done = 0
+            while time.perf_counter() - begin < duration:
+                pick = probes + rng.choice(n_objects - probes, size=batch - 1, replace=False)
+                lon[pick] = np.clip(lon[pick] + rng.normal(0, 0.003, pick.size), -180, 180)
+                lat[pick] = np.clip(lat[pick] + rng.normal(0, 0.003, pick.size), -85, 85)
+                p, s = int(rng.integers(probes)), int(rng.integers(n_subs))
+                lon[p], lat[p] = slon[s], slat[s]
+                at = time.time()
+                # a probe object moved again before its list arrived can no longer be timed
+                stale = [q for q, v in receiver.probes.items() if v[0] == ids[p]]
+                for q in stale:
+                    del receiver.probes[q]
+                superseded += len(stale) if timed else 0
+                if timed:
+                    receiver.probes[sub_ids[s]] = (ids[p], float(lon[p]), float(lat[p]), at)
+                objs = [{"id": ids[i], "lon": float(lon[i]), "lat": float(lat[i]), "ts": at}
+                        for i in [p, *pick.tolist()]]
+                sends.append(asyncio.create_task(post(objs)))
+                done += batch
+                delay = begin + (done / batch) * interval - time.perf_counter()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+            return done
+
+        if warmup_s > 0:
+            # the same load, not timed: with a coordinator, the balancing it makes happens here
+            await pace(warmup_s, timed=False)
+            await asyncio.gather(*sends)
+            sends.clear()
+            await receiver.quiet()
+            receiver.latency_ms.clear()
+            receiver.written_ms.clear()
+            messages0 = receiver.messages
+            cpu0 = cpu_seconds(server)
+        plan0 = plan_version(server)
+        start = time.perf_counter()
+        sent = await pace(seconds, timed=True)
         await asyncio.gather(*sends)
         paced_s = time.perf_counter() - start
         # the workers catch up (a backlog if they could not keep the pace): every pending
@@ -164,6 +185,7 @@ async def drive(server: LiveServer, n_objects: int, n_subs: int, k: int, rate: f
         "to_history_ms_p99": pct(0.99, receiver.written_ms),
         "worker_cpu_us_per_update": round(workers_cpu / sent * 1e6, 1),
         "workers_per_subscription": round(sum(held) / max(1, len(held)), 2),
+        "plan_changes_while_timed": plan_version(server) - plan0,
         "cpu_seconds": {n: round(v, 1) for n, v in cpu.items()},
         "last_lists_checked": len(sample), "last_lists_wrong": wrong,
     }
@@ -171,9 +193,22 @@ async def drive(server: LiveServer, n_objects: int, n_subs: int, k: int, rate: f
 
 def run(n_objects: int = 100_000, n_subs: int = 10_000, k: int = 10, rate: float = 5_000,
         seconds: float = 20.0, batch: int = 250, workers: int = 2, seed: int = 1,
-        check: int = 200, broadcast: bool = False) -> dict[str, Any]:
-    """One run; `broadcast`: every subscription on every worker, unbounded (the baseline)."""
+        check: int = 200, broadcast: bool = False, balance_s: float = 0.0) -> dict[str, Any]:
+    """One run; `broadcast`: every subscription on every worker, unbounded (the baseline).
+    `balance_s` > 0: a coordinator balances the load (SWARM) from the start, and the load is
+    paced that long, untimed, before the timed part."""
     env = {"GEOSWARM_KNN_BROADCAST": "1"} if broadcast else {}
     with bench_cluster("geoswarm-bench-knn-", workers, **env) as server:
+        if balance_s > 0:
+            server.start_coordinator()
         return asyncio.run(drive(server, n_objects, n_subs, k, rate, seconds, batch, seed,
-                                 check))
+                                 check, balance_s))
+
+
+def plan_version(server: LiveServer) -> int:
+    client = redis.Redis.from_url(server.redis_url)
+    try:
+        raw = client.get(names.PLAN_KEY)
+        return int(orjson.loads(raw)["version"]) if raw else 0
+    finally:
+        client.close()

@@ -22,8 +22,10 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from app.core.collector import Collector
 from app.core.config import Settings
 from app.core.db import make_engine, make_sessionmaker
+from app.core.redis import run_script
 from app.geo import balance
 from app.geo.geometry import circle_bbox
 from app.geo.index import GlobalIndex, Partition
@@ -50,17 +52,22 @@ from workers.subs import LocalSubs
 log = logging.getLogger(__name__)
 
 # One call appends a batch's history entries: KEYS are (history stream, last-id marker)
-# pairs, ARGV = bucket, tenant, maxlen, ttl, marker ttl, then one packed reference list per
-# stream. Each entry records the id of the entry before it (`p`), so a reader can tell a
-# trimmed entry from none. Returns, per stream, that previous id and the new id, so hubs can
-# push the entry directly to a client whose cursor is exactly at the previous entry.
+# pairs, ARGV = bucket, tenant, maxlen, ttl, marker ttl, max age (ms), then one packed
+# reference list per stream. Each entry records the id of the entry before it (`p`), so a
+# reader can tell a trimmed entry from none; entries older than the max age go as a stream is
+# appended to (no pass over every stream written). Returns, per stream, that previous id and
+# the new id, so hubs can push the entry directly to a client whose cursor is exactly at the
+# previous entry.
 HISTORY_SCRIPT = """
 local out = {}
+local age = tonumber(ARGV[6])
 for i = 1, #KEYS / 2 do
   local stream, marker = KEYS[2 * i - 1], KEYS[2 * i]
   local prev = redis.call('GET', marker) or '0-0'
   local id = redis.call('XADD', stream, 'MAXLEN', '~', ARGV[3], '*', 'b', ARGV[1],
-                        't', ARGV[2], 'p', prev, 'm', ARGV[5 + i])
+                        't', ARGV[2], 'p', prev, 'm', ARGV[6 + i])
+  local ms = tonumber(string.match(id, '^(%d+)'))
+  redis.call('XTRIM', stream, 'MINID', '~', string.format('%d', ms - age))
   redis.call('EXPIRE', stream, ARGV[4])
   redis.call('SET', marker, id, 'EX', ARGV[5])
   out[2 * i - 1] = prev
@@ -70,6 +77,7 @@ return out
 """
 HISTORY_CHUNK = 4096  # history entries per script call (bounds the time Redis is busy)
 COUNTS_REPORT_S = 0.05  # how often the per-cell counts are written when they changed
+READ_COUNT = 256  # entries read from each stream at once
 MAINTENANCE_S = 5.0  # trimming, expiry and the replay of entries left pending
 TOMBSTONE_S = 6 * 3600.0  # how long a deleted subscription id is remembered (late sub+ copies)
 
@@ -92,7 +100,6 @@ class Executor:
         self.matched = 0
         self.last_trim = 0.0
         self.must_recover = False  # a step failed: entries of ours may be pending
-        self.touched: set[str] = set()
         self.started = time.time()
         self.knn: dict[str, KnnState] = {}
         self._history = self.redis.register_script(HISTORY_SCRIPT)
@@ -104,10 +111,15 @@ class Executor:
         self.records = RecordWindow(settings.window_s, settings.bucket_s)
         self.pending_records: list[wire.ObjectBatch] = []
         self.pending_queries: list[tuple[wire.QueryPart, int]] = []
+        # Query parts sent straight to us (`app.pipeline.queries`), waiting until a read of
+        # our stream reaches its end: (entry id, part).
+        self.query_stream = names.query_stream(worker_id)
+        self.straight: list[tuple[bytes, wire.QueryPart]] = []
         # Per-cell counts of the window, reported for count queries (`_report_counts`): the
         # last entry of our stream whose records they include.
         self.processed_id: bytes | None = None
         self.reported: tuple[bytes | None, float] = (None, 0.0)
+        self.counts_seq = 0  # reports written by this process (their versions)
         # SWARM load balancing (§4.2-§5).
         self.cmd_stream = names.command_stream(worker_id)
         self.replicated = settings.partitioning == "replicated"
@@ -129,6 +141,7 @@ class Executor:
         self.epoch = 0
         self.adoptions: dict[str, Adoption] = {}
         self.to_adopt: list[str] = []
+        self.collector = Collector()
 
     # --- lifecycle -----------------------------------------------------------------------
     def run(self) -> None:
@@ -188,7 +201,7 @@ class Executor:
             os._exit(1)
 
     def _ensure_group(self) -> None:
-        for stream in (self.stream, self.cmd_stream):
+        for stream in (self.stream, self.cmd_stream, self.query_stream):
             try:
                 self.redis.xgroup_create(stream, names.GROUP, id="0", mkstream=True)
             except redis.ResponseError as exc:
@@ -379,6 +392,11 @@ class Executor:
             if not stale:
                 break
             self.redis.xack(self.cmd_stream, names.GROUP, *stale)
+        # Query parts read before and not answered: answered now if their api still waits.
+        reply = self.redis.xreadgroup(names.GROUP, self.id, {self.query_stream: "0"},
+                                      count=10_000)
+        self.straight = []
+        self._take_straight(reply[0][1] if reply else [])
         self.claim_others(self.stream)
         while not self.stopping:
             # Reading pending entries counts a delivery of each entry read.
@@ -392,14 +410,15 @@ class Executor:
     def _step(self) -> None:
         # Commands are read in the same call as objects: an idle worker wakes at once, a busy
         # one sees them after the current batch, not behind its whole backlog.
-        streams = {self.stream: ">", self.cmd_stream: ">",
+        streams = {self.stream: ">", self.cmd_stream: ">", self.query_stream: ">",
                    **{a.stream: ">" for a in self.adoptions.values()}}
         # A report of the counts that is due does not wait behind an idle stream.
-        block = 1000
+        block = 1000 if not self.straight else 10
         if self.records.changed:
             wait = COUNTS_REPORT_S - (time.time() - self.reported[1])
             block = max(1, min(block, int(wait * 1000) + 1))
-        reply = self.redis.xreadgroup(names.GROUP, self.id, streams, count=256, block=block)
+        reply = self.redis.xreadgroup(names.GROUP, self.id, streams, count=READ_COUNT,
+                                      block=block)
         # Commands first: entries read in the same call that a move made stale are then
         # forwarded (either order is correct; this one never delays a command behind a batch).
         by_stream = {(s.decode() if isinstance(s, bytes) else s): e for s, e in reply or []}
@@ -410,6 +429,12 @@ class Executor:
         for adoption in list(self.adoptions.values()):
             if by_stream.get(adoption.stream):
                 self._adopted(adoption, by_stream[adoption.stream])
+        self._take_straight(by_stream.get(self.query_stream, []))
+        if len(by_stream.get(self.stream, [])) < READ_COUNT:
+            # Our stream was read to its end, and what was read is processed: every entry
+            # added before any part read so far was among it (see `_answer_straight`).
+            self._answer_straight()
+        self.collector.tick()
         now = time.time()
         if now - self.reported[1] >= COUNTS_REPORT_S or (
                 not self.records.changed and self.processed_id != self.reported[0]):
@@ -448,17 +473,21 @@ class Executor:
             self.reported = (self.reported[0], now)
             return
         key = names.cell_counts_key(self.id)
+        self.counts_seq += 1
+        version = f"{self.epoch}.{self.counts_seq}"
         pipe = self.redis.pipeline(transaction=True)
         for tenant, bucket in sorted(changed):
             held = self.records.tenants.get(tenant)
             cells = held.cell_counts.get(bucket) if held is not None else None
             field = names.cell_counts_field(tenant, bucket)
             if not cells:
-                pipe.hdel(key, field)
+                pipe.hdel(key, field, names.cell_counts_version_field(field))
                 continue
-            pipe.hset(key, field, wire.encode_cell_counts(wire.CellCounts(buckets=[
-                (bucket, np.fromiter(cells, dtype="<i8", count=len(cells)).tobytes(),
-                 np.fromiter(cells.values(), dtype="<i8", count=len(cells)).tobytes())])))
+            pipe.hset(key, mapping={
+                field: wire.encode_cell_counts(wire.CellCounts(buckets=[
+                    (bucket, np.fromiter(cells, dtype="<i8", count=len(cells)).tobytes(),
+                     np.fromiter(cells.values(), dtype="<i8", count=len(cells)).tobytes())])),
+                names.cell_counts_version_field(field): version})
         pipe.hset(key, names.CELL_COUNTS_UPTO, self.processed_id)
         pipe.execute()
         self.records.changed = set()
@@ -610,10 +639,11 @@ class Executor:
                 keys: list[str] = []
                 for sub in sub_ids[a:a + HISTORY_CHUNK]:
                     keys += (names.history_key(sub), names.history_last_key(sub))
-                self._history(keys=keys,
-                              args=[bucket, tenant, self.settings.history_max_len, ttl,
-                                    names.HISTORY_LAST_TTL_S, *refs[a:a + HISTORY_CHUNK]],
-                              client=pipe)
+                run_script(pipe, self._history, keys,
+                           [bucket, tenant, self.settings.history_max_len, ttl,
+                            names.HISTORY_LAST_TTL_S,
+                            int(self.settings.history_max_age_s * 1000),
+                            *refs[a:a + HISTORY_CHUNK]])
         results = pipe.execute()
         self.knnreg.settle(pipe, results)
         self._keep_records()
@@ -641,13 +671,51 @@ class Executor:
                 self.records.add(records[pos], now)
         pipe.execute()
 
+    def _take_straight(self, entries: list[tuple[bytes, dict[bytes, bytes]]]) -> None:
+        """Queue the query parts sent straight to us (an undecodable one is dropped)."""
+        for eid, fields in entries:
+            try:
+                part = wire.decode_entry(fields[b"m"])
+                if not isinstance(part, wire.QueryPart):
+                    raise ValueError(f"a {type(part).__name__}, not a query part")
+            except (KeyError, ValueError) as exc:
+                log.error("worker %s: undecodable query part %s: %s", self.id, eid, exc)
+                self.redis.xack(self.query_stream, names.GROUP, eid)
+                continue
+            self.straight.append((eid, part))
+
+    def _answer_straight(self) -> None:
+        """Answer the parts sent straight to us, once a read of our stream reached its end
+        and what it read is processed. A part was added after every entry accepted before
+        its query; it was read in that read or an earlier one, so all those entries were
+        there to be read: they are processed (their records are in the window). Records of
+        entries after it may be too, which `as_of` keeps out if they arrived later. A part
+        its api gave up on is dropped (`answer`)."""
+        if not self.straight:
+            return
+        ready, self.straight = self.straight, []
+        mark = None
+        if any(part.query.skip_cells is not None for _, part in ready):
+            # a count from the per-cell counts: they are written as far as processed first
+            self._report_counts(time.time())
+            if self.processed_id is not None and self.reported[0] == self.processed_id:
+                mark = self.processed_id.decode()
+        pipe = self.redis.pipeline(transaction=False)
+        for _, part in ready:
+            self.answer(part, pipe, self.records.tenants.get(part.tenant), self.id,
+                        mark if part.query.skip_cells is not None else None)
+        pipe.xack(self.query_stream, names.GROUP, *(eid for eid, _ in ready))
+        pipe.execute()
+
     def answer(self, part: wire.QueryPart, pipe: Any, records: TenantRecords | None,
-               worker: str) -> None:
-        """Answer a query part from `records` (those `worker` holds) on `pipe`."""
+               worker: str, mark: str | None = None) -> None:
+        """Answer a query part from `records` (those `worker` holds) on `pipe`; `mark`: the
+        entry our per-cell counts are written up to (`wire.QueryReply.mark`)."""
         if time.time() > part.deadline:
             return  # the api has given up on it
         try:
             reply = evaluate(records, part, worker, self.records.grid)
+            reply.mark = mark
         except Exception as exc:  # a query must not take the worker down
             log.exception("worker %s: snapshot query failed", self.id)
             reply = wire.QueryReply(worker=self.id, error=f"{type(exc).__name__}: {exc}")
@@ -698,7 +766,7 @@ class Executor:
 
     def _trim(self, now: float) -> None:
         """Trim the worker stream below the oldest pending entry (never what is pending) and
-        the history streams this worker wrote to by age."""
+        the window log by age (history streams are trimmed as they are appended to)."""
         try:
             for stream in (self.stream, *(a.stream for a in self.adoptions.values())):
                 self.trim_stream(stream)
@@ -706,13 +774,6 @@ class Executor:
             oldest = (self.records.horizon(now) - 1) * self.settings.bucket_s
             self.redis.execute_command("XTRIM", self.window_stream, "MINID", "~",
                                        f"{int(oldest * 1000)}-0")
-            if self.touched:
-                min_id = f"{int((now - self.settings.history_max_age_s) * 1000)}-0"
-                pipe = self.redis.pipeline(transaction=False)
-                for sub in self.touched:
-                    pipe.execute_command("XTRIM", names.history_key(sub), "MINID", "~", min_id)
-                pipe.execute()
-                self.touched.clear()
         except redis.ResponseError as exc:
             log.warning("worker %s: trim failed: %s", self.id, exc)
 
@@ -838,7 +899,6 @@ class Executor:
                 for a, b in zip(starts.tolist(), ends.tolist(), strict=True)]
         self.pending_history.append((tenant, bucket, sub_ids, refs, records))
         self.matched += int(m.rows.size)
-        self.touched.update(sub_ids)
 
     # --- SWARM statistics (§4.2, kept by the ledger) ------------------------------------
     def _count_objects(self, batch: wire.ObjectBatch) -> None:

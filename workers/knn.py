@@ -25,7 +25,12 @@ from workers.window import LiveWindow
 
 MOVING, EVENT = 0, 1  # the kinds of object a worker holds (their ids may coincide)
 REACH_GRID = Grid(nx=720, ny=360)  # half-degree cells: which lists an arrival can enter
-MAX_REACH_CELLS = 256  # a list reaching over more cells is checked against every arrival
+MAX_REACH_CELLS = 256  # a list reaching over more cells is registered in coarser cells
+# The side of a reach cell at each level, in cells of the grid: a list is registered at the
+# finest level where its circle covers at most MAX_REACH_CELLS cells (a list in a sparse
+# region reaches far); one covering more even at the coarsest is checked against every
+# arrival.
+REACH_LEVELS = (1, 8, 64)
 
 
 @dataclass
@@ -93,10 +98,19 @@ class Reach:
         self.lon: npt.NDArray[np.float64] = np.zeros(16)
         self.lat: npt.NDArray[np.float64] = np.zeros(16)
         self.kth: npt.NDArray[np.float64] = np.zeros(16)  # inf while fewer than k
+        # reach cells of every level, keyed by `_key` (level, cell of that level) -> slots
         self.cells: dict[int, set[int]] = {}
         self.registered: dict[int, tuple[float, list[int]]] = {}  # slot -> (radius, cells)
         self.wide: set[int] = set()
-        self._arrays: dict[int, npt.NDArray[np.int64]] = {}  # cell (-1: wide) -> slots
+        self._arrays: dict[int, npt.NDArray[np.int64]] = {}  # cell key (-1: wide) -> slots
+        self.per_level = [0] * len(REACH_LEVELS)  # lists registered at each level
+        self._stride = grid.nx * grid.ny  # > every cell id of every level
+        self._cols = [-(-grid.nx // f) for f in REACH_LEVELS]  # cells across, per level
+
+    def _key(self, level: int, cx: Any, cy: Any) -> Any:
+        """The key of the reach cell holding grid cell (cx, cy) at a level (arrays too)."""
+        f = REACH_LEVELS[level]
+        return level * self._stride + (cy // f) * self._cols[level] + cx // f
 
     def _slot_of(self, sub: KnnSub) -> int:
         i = self.slot.get(sub.id)
@@ -133,9 +147,13 @@ class Reach:
         radius = min(need * 1.5, sub.radius + 0.01)
         if math.isfinite(radius):
             x0, y0, x1, y1 = self.grid.cell_range(circle_bbox(sub.lon, sub.lat, radius))
-            if (x1 - x0 + 1) * (y1 - y0 + 1) <= MAX_REACH_CELLS:
-                cells = [y * self.grid.nx + x for y in range(y0, y1 + 1)
-                         for x in range(x0, x1 + 1)]
+            for level, f in enumerate(REACH_LEVELS):
+                if (x1 // f - x0 // f + 1) * (y1 // f - y0 // f + 1) <= MAX_REACH_CELLS:
+                    cells = [int(self._key(level, x * f, y * f))
+                             for y in range(y0 // f, y1 // f + 1)
+                             for x in range(x0 // f, x1 // f + 1)]
+                    self.per_level[level] += 1
+                    break
         if not cells:
             radius = math.inf
             self.wide.add(i)
@@ -152,6 +170,8 @@ class Reach:
         if i in self.wide:
             self.wide.discard(i)
             self._arrays.pop(-1, None)
+        if held[1]:
+            self.per_level[held[1][0] // self._stride] -= 1
         for c in held[1]:
             subs = self.cells[c]
             subs.discard(i)
@@ -181,17 +201,21 @@ class Reach:
         si: list[npt.NDArray[np.int64]] = []
         ci: list[npt.NDArray[np.int64]] = []
         cx, cy = self.grid.cells_of(lon, lat)
-        cid = self.grid.cell_id(cx.astype(np.int64), cy.astype(np.int64))
-        order = np.argsort(cid, kind="stable")
-        uniq, start = np.unique(cid[order], return_index=True)
-        ends = [*start[1:].tolist(), len(order)]
-        for c, a, b in zip(uniq.tolist(), start.tolist(), ends, strict=True):
-            if c not in self.cells:
+        cx, cy = cx.astype(np.int64), cy.astype(np.int64)
+        for level in range(len(REACH_LEVELS)):
+            if not self.per_level[level]:
                 continue
-            slots = self._slots(c)
-            rows = order[a:b]
-            si.append(np.repeat(slots, rows.size))
-            ci.append(np.tile(rows, slots.size))
+            cid = self._key(level, cx, cy)
+            order = np.argsort(cid, kind="stable")
+            uniq, start = np.unique(cid[order], return_index=True)
+            ends = [*start[1:].tolist(), len(order)]
+            for c, a, b in zip(uniq.tolist(), start.tolist(), ends, strict=True):
+                if c not in self.cells:
+                    continue
+                slots = self._slots(c)
+                rows = order[a:b]
+                si.append(np.repeat(slots, rows.size))
+                ci.append(np.tile(rows, slots.size))
         if self.wide:
             slots = self._slots(-1)
             si.append(np.repeat(slots, len(lon)))
@@ -330,16 +354,19 @@ class KnnState:
                                    sub.accepts if sub.keywords else None, sub.radius)
 
     def _set_local(self, sub: KnnSub, new: list[Neighbor]) -> None:
-        for n in sub.local:
-            held = self.members.get(n[4])
+        members, sid = self.members, sub.id
+        before = {n[4] for n in sub.local}
+        after = {n[4] for n in new}
+        for key in before - after:  # a change moves one or two members: only they are touched
+            held = members.get(key)
             if held is not None:
-                held.discard(sub.id)
+                held.discard(sid)
                 if not held:
-                    del self.members[n[4]]
+                    del members[key]
+        for key in after - before:
+            members.setdefault(key, set()).add(sid)
         sub.local = new
-        for n in new:
-            self.members.setdefault(n[4], set()).add(sub.id)
-        if sub.id in self.subs:
+        if sid in self.subs:
             self.reach.update(sub)
 
     def apply(self, batch: ObjectBatch, at: list[float], now: float) -> list[KnnSub]:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import orjson
 
+from app.core.redis import run_script
 from app.geo.geometry import circle_bbox
 from app.pipeline import knnreg, names, wire
 from workers.knn import KnnState, KnnSub, knn_sub
@@ -46,16 +47,15 @@ class KnnRegistry:
         ex = self.ex
         direct = not hasattr(pipe, "command_stack")
         for sub in subs:
-            ex.touched.add(sub.id)  # its history is trimmed by age with the others
             local = orjson.dumps([[n[0], n[1], n[2], n[3], _kind(n[4])] for n in sub.local])
             at = -1 if direct else len(pipe.command_stack)
-            out = self._merge(keys=[names.knn_key(sub.id), names.history_key(sub.id),
-                                    names.history_last_key(sub.id)],
-                              args=[ex.id, sub.epoch, local, sub.k,
-                                    ex.settings.history_max_len,
-                                    int(ex.settings.history_max_age_s) + 60, tenant,
-                                    names.HISTORY_LAST_TTL_S, *clear],
-                              client=pipe)
+            out = run_script(pipe, self._merge,
+                             [names.knn_key(sub.id), names.history_key(sub.id),
+                              names.history_last_key(sub.id)],
+                             [ex.id, sub.epoch, local, sub.k, ex.settings.history_max_len,
+                              int(ex.settings.history_max_age_s) + 60, tenant,
+                              names.HISTORY_LAST_TTL_S,
+                              int(ex.settings.history_max_age_s * 1000), *clear])
             if direct:
                 self._answer(tenant, sub, sub.epoch, out)
             else:
@@ -171,7 +171,7 @@ class KnnRegistry:
     def drop_worker(self, sub_ids: list[str], dead: str, pipe: Any) -> None:
         """A dead worker's lists and the tokens waiting for it leave these subscriptions."""
         for sid in sub_ids:
-            self._drop(keys=[names.knn_key(sid)], args=[dead], client=pipe)
+            run_script(pipe, self._drop, [names.knn_key(sid)], [dead])
 
     def stored(self, sub_ids: list[str]) -> dict[str, tuple[int, float, bool]]:
         """sub -> (epoch, radius, whether this worker is registered) from the hashes; those

@@ -6,6 +6,7 @@ request's state."""
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 from collections.abc import Callable, Coroutine
 from typing import Annotated, Any
@@ -20,6 +21,7 @@ from starlette.requests import HTTPConnection
 from app.core.errors import BadRequest, Forbidden, RateLimited, Unauthorized, is_redis_oom
 from app.core.security import AuthFailures, Principal, bootstrap_principal
 from app.core.state import AppState
+from app.pipeline import names
 from app.services import keys as key_service
 
 log = logging.getLogger(__name__)
@@ -77,6 +79,40 @@ def _lookup(state: AppState, key: str) -> Principal | None:
         return key_service.lookup(session, key)
 
 
+async def keys_token(state: AppState) -> bytes | None:
+    """The current revocation token (`names.KEYS_TOKEN`), made if missing (a new or flushed
+    Redis); None when Redis cannot say (the key is then looked up in SQL)."""
+    try:
+        token = await state.redis.get(names.KEYS_TOKEN)
+        if token is None:
+            await state.redis.set(names.KEYS_TOKEN, secrets.token_hex(16), nx=True)
+            return None  # this once in SQL: the token another process may have set wins
+    except redis.exceptions.RedisError:
+        return None
+    return token if isinstance(token, bytes) else str(token).encode()
+
+
+async def check_key(state: AppState, key: str) -> Principal | None:
+    """The principal of a valid key: from this process's cache while the revocation token
+    is unchanged, else from SQL (the token read first: a revocation committed after the
+    lookup changes it, so the entry is not used again)."""
+    cache = state.keys
+    token = await keys_token(state) if cache is not None else None
+    if cache is not None and token is not None:
+        principal = cache.get(key, token)
+        if principal is not None:
+            return principal
+    principal = await run_in_threadpool(_lookup, state, key)
+    if principal is not None and cache is not None and token is not None:
+        cache.put(key, principal, token)
+    return principal
+
+
+async def new_keys_token(state: AppState) -> None:
+    """After a revocation's commit: every process's cached keys are checked again."""
+    await state.redis.set(names.KEYS_TOKEN, secrets.token_hex(16))
+
+
 def auth_failures(app: FastAPI) -> AuthFailures:
     """The process's throttle of failed key checks (made by create_app)."""
     return app.state.auth_failures  # type: ignore[no-any-return]
@@ -103,7 +139,7 @@ async def authenticate(state: AppState, key: str | None,
                 f"too many failed authentications from this address (over {failures.limit} "
                 f"in {failures.window_s:g} s); retry in {retry} s",
                 headers={"Retry-After": str(retry)})
-    principal = await run_in_threadpool(_lookup, state, key)
+    principal = await check_key(state, key)
     if principal is None:
         if failures is not None:
             failures.failed(address)

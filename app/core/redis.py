@@ -15,6 +15,7 @@ import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import redis
 import redis.asyncio as aioredis
@@ -181,3 +182,14 @@ def env_with_redis(url: str) -> dict[str, str]:
     env = dict(os.environ)
     env["GEOSWARM_REDIS_URL"] = url
     return env
+
+
+def run_script(client: Any, script: Any, keys: list[Any], args: list[Any]) -> Any:
+    """Run a registered script (`register_script`) on a client or a pipeline. On a pipeline
+    it is queued as EVAL with its text: redis-py asks Redis whether a pipeline's registered
+    scripts exist before each execute, a round trip more, and an EVALSHA of a script Redis
+    lost would fail inside a transaction whose other commands apply (Redis caches an EVAL's
+    script by its hash, so it is compiled once)."""
+    if isinstance(client, redis.client.Pipeline | aioredis.client.Pipeline):
+        return client.eval(script.script, len(keys), *keys, *args)
+    return script(keys=keys, args=args, client=client)

@@ -88,6 +88,31 @@ class AuthFailures:
         self._windows = live
 
 
+class KeyCache:
+    """Keys this process found valid in SQL, so that a request needs no SQL lookup: each is
+    held with the revocation token (`names.KEYS_TOKEN`) read before its lookup, and used only
+    while that token is unchanged. A revocation sets a new token after its SQL commit, so
+    every api process looks the key up again from then on (a key revoked stops working at
+    once). An entry also expires after `max_age_s`: the bound when the new token could not be
+    written (Redis failing at that moment). Memory is bounded: past `size` keys, all go."""
+
+    def __init__(self, max_age_s: float, size: int = 10_000) -> None:
+        self.max_age_s = max_age_s
+        self.size = size
+        self._held: dict[str, tuple[Principal, bytes, float]] = {}
+
+    def get(self, key: str, token: bytes) -> Principal | None:
+        held = self._held.get(hash_key(key))
+        if held is None or held[1] != token or time.monotonic() - held[2] > self.max_age_s:
+            return None
+        return held[0]
+
+    def put(self, key: str, principal: Principal, token: bytes) -> None:
+        if len(self._held) >= self.size:
+            self._held.clear()
+        self._held[hash_key(key)] = (principal, token, time.monotonic())
+
+
 _TOKEN_IN_QUERY = re.compile(r"([?&]token=)[^&\s\"]*")
 REDACTED = "[redacted]"
 

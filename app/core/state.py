@@ -12,6 +12,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from app.core.config import Settings
 from app.core.errors import Unavailable
+from app.core.security import KeyCache
 
 if TYPE_CHECKING:
     from app.pipeline.hub import Hub
@@ -29,6 +30,7 @@ class AppState:
     router: Router | None = None
     hub: Hub | None = None
     queries: QueryService | None = None
+    keys: KeyCache | None = None  # keys checked in SQL (deps.authenticate), if caching
 
 
 async def require_plan(state: AppState) -> None:

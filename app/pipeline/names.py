@@ -31,6 +31,9 @@ def dead_letter_replayed_key(dead_letter_id: str) -> str:
 # Channels to the api processes' hubs.
 NOTIFY_CHANNEL = "gs:notify"  # wire.HistoryAppended / wire.SubsChanged from the workers
 REVOKED_CHANNEL = "gs:revoked"  # wire.KeyRevoked
+# A random token replaced by every key revocation: api processes hold the keys they checked in
+# SQL only while it is unchanged (`security.KeyCache`).
+KEYS_TOKEN = "gs:keys:token"
 SUBS_CHANNEL = "gs:subs"  # wire.SubsGone: deleted / expired subscriptions
 
 # SWARM's coordinator (§4.3.1).
@@ -56,6 +59,13 @@ def worker_stream(worker: str) -> str:
 def command_stream(worker: str) -> str:
     """The stream of the coordinator's wire.Command messages to one worker."""
     return f"gs:cmd:{worker}"
+
+
+def query_stream(worker: str) -> str:
+    """The stream of snapshot query parts sent straight to one worker (`wire.QueryPart` in
+    field `m`; the worker answers once a read of its worker stream reached that stream's
+    end)."""
+    return f"gs:wq:{worker}"
 
 
 def history_key(sub_id: str) -> str:
@@ -136,8 +146,16 @@ def window_stream(worker: str) -> str:
 def cell_counts_key(worker: str) -> str:
     """Hash: `cell_counts_field(tenant, bucket)` -> `wire.CellCounts` of the records a worker
     holds, and field `CELL_COUNTS_UPTO`: the id of its stream's entry up to which (included)
-    they count every record. The api answers the whole cells of a count query from them."""
+    they count every record. The api answers the whole cells of a count query from them.
+    Each counts field has a version field (`cell_counts_version_field`), written with it: the
+    api re-reads only the counts whose version changed."""
     return f"gs:cells:{worker}"
+
+
+def cell_counts_version_field(field: str) -> str:
+    """The version of a counts field: unique among all the writes of it (the worker's fence
+    epoch and a sequence number), so that a reader holding it knows the counts unchanged."""
+    return field + "\x1ev"
 
 
 def cell_counts_field(tenant: str, bucket: int) -> str:

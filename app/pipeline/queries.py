@@ -5,10 +5,14 @@ answers to wait for.
 Which workers: the owners of the partitions the query's region overlaps under the current
 plan and under every older plan still valid within the window (SSTD's versioned mapping,
 SWARM §5.2's parent partitions: a worker keeps the records it stored after their partition
-moves on). A query part travels in each worker's stream behind the entries routed there
-before it, so it sees every object accepted before the query; `as_of` keeps later arrivals out
-of every round of it. A worker that does not answer fails the query (503, naming it): never a
-silently partial result.
+moves on). A query part goes straight to each worker (`names.query_stream`), and the worker
+answers it once a read of its stream, made after the part was sent, reached the stream's end
+and what it read is processed: it sees every object accepted before the query, without
+waiting in line behind the matching of the entries after it; `as_of` keeps later arrivals out
+of every round of it. A failed-over
+worker's part travels in its stream instead, behind the entries routed there before it, which
+its adopter processes. A worker that does not answer fails the query (503, naming it): never
+a silently partial result.
 
 Rounds: one round answers most queries exactly. Merging per-worker lists cut at a limit is
 exact up to the smallest cut-off among the cut lists; when `latest` removed records and fewer
@@ -25,18 +29,19 @@ import secrets
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
-import numpy as np
 import orjson
 import redis.asyncio as aioredis
 
 from app.core.config import Settings
 from app.core.metrics import COUNT_QUERIES
+from app.core.redis import run_script
 from app.geo.grid import Grid
 from app.geo.index import GlobalIndex
 from app.pipeline import names, wire
+from app.pipeline.cellcounts import CellCounts, HeldCounts
 from app.pipeline.cluster import entry_order, heartbeat_fresh
 from app.pipeline.records import public_record
 from app.pipeline.router import Router
@@ -46,10 +51,38 @@ log = logging.getLogger(__name__)
 QUERY_TTL_S = 3600  # how long a finished query's answer can be read
 COUNTS_WAIT_S = 1.0  # how long a count waits for the per-cell counts to catch up
 MAX_ROUNDS = 8  # per-worker limit x4 each round: enough for any limit up to 10 000 x 4^7
+QUERY_STREAM_LEN = 10_000  # parts kept in a worker's query stream (answered ones are trimmed)
+
+PLAN_ATTEMPTS = 5  # a query planned with a plan that changed before it was sent starts again
+
+# Send a query part to one worker: straight (its query stream), or in its stream when it has
+# failed over (its adopter processes that stream, not the query stream). Returns 1 if
+# straight, 0 if in the stream, -1 if not sent: the newest plan of the history is not the one
+# the query was planned with (its workers may miss a newer owner).
+# KEYS: worker stream, query stream, adopter key, plan history; ARGV: the part, the query
+# stream's length, the plan version the query was planned with ('' for any).
+SEND_PART_SCRIPT = """
+if ARGV[3] ~= '' then
+  local newest = redis.call('LINDEX', KEYS[4], -1)
+  if newest and string.match(string.sub(newest, 1, 40), '^{"version":(%d+),') ~= ARGV[3] then
+    return -1
+  end
+end
+if redis.call('EXISTS', KEYS[3]) == 1 then
+  redis.call('XADD', KEYS[1], '*', 'm', ARGV[1])
+  return 0
+end
+redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[2], '*', 'm', ARGV[1])
+return 1
+"""
 
 
 class QueryFailed(Exception):
     """A query that cannot be answered exactly (a worker did not answer, or failed)."""
+
+
+class StalePlan(Exception):
+    """The plan changed after the query chose its workers: it is planned again."""
 
 
 SortKey = Callable[[wire.FoundRecord], tuple[Any, ...]]
@@ -103,6 +136,8 @@ class QueryService:
         self.settings = settings
         self.redis = redis
         self.router = router
+        self.counts = CellCounts(redis)
+        self.send_part = redis.register_script(SEND_PART_SCRIPT)
         self._tasks: set[asyncio.Task[None]] = set()
 
     # --- the public side -----------------------------------------------------------------
@@ -113,9 +148,6 @@ class QueryService:
         `{"id", "status": "failed", "error"}`."""
         query_id = "q" + secrets.token_hex(10)
         started = time.time()
-        await self._store(query_id, {"tenant": tenant, "status": "running",
-                                     "started": started,
-                                     "deadline": started + self.settings.query_timeout_s})
         result: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         task = asyncio.create_task(self._run(query_id, tenant, query, started, result),
                                    name=f"query-{query_id}")
@@ -124,6 +156,12 @@ class QueryService:
         try:
             return await asyncio.wait_for(asyncio.shield(result), timeout=wait_s)
         except TimeoutError:
+            # Only now can anyone ask for it: its state is stored before the id is given out
+            # (unless its outcome was stored meanwhile).
+            await self.redis.set(names.query_key(query_id), orjson.dumps(
+                {"tenant": tenant, "status": "running", "started": started,
+                 "deadline": started + self.settings.query_timeout_s}),
+                ex=QUERY_TTL_S, nx=True)
             return {"id": query_id, "status": "running"}
 
     async def status(self, tenant: str, query_id: str) -> dict[str, Any] | None:
@@ -171,7 +209,21 @@ class QueryService:
 
     # --- evaluation ----------------------------------------------------------------------
     async def execute(self, tenant: str, query: wire.SnapshotQuery) -> dict[str, Any]:
-        """`{"results", "sources", "truncated"}` of a query over the live window."""
+        """`{"results", "sources", "truncated"}` of a query over the live window. Its
+        workers come from the plans this process knows; each part is sent only if the
+        newest plan is still the one they came from (`SEND_PART_SCRIPT`), so no round trip
+        reads the plan history unless it changed."""
+        for _ in range(PLAN_ATTEMPTS):
+            try:
+                return await self._execute(tenant, query)
+            except StalePlan:
+                await self.router.refresh()
+                index = await self.router.current_index()
+                await self.router.plans_since(0.0, index)  # the new entries of the history
+        raise QueryFailed(f"the partition plan changed {PLAN_ATTEMPTS} times while the query "
+                          "was sent; run it again")
+
+    async def _execute(self, tenant: str, query: wire.SnapshotQuery) -> dict[str, Any]:
         as_of = time.time()
         deadline = as_of + self.settings.query_timeout_s
         index = await self.router.current_index()
@@ -179,7 +231,8 @@ class QueryService:
         # `latest` answers are checked with every worker holding part of the window
         everyone = (await self.targets(index, wire.SnapshotQuery(type="keyword"), as_of)
                     if query.latest else [])
-        run = _Run(self, tenant, query, as_of, deadline, everyone)
+        version = "" if self.router.replicated else str(index.version)
+        run = _Run(self, tenant, query, as_of, deadline, everyone, version)
         if query.type == "count":
             counted = await self.count_from_metadata(tenant, query, index, targets, run)
             COUNT_QUERIES.labels("workers" if counted is None else "metadata").inc()
@@ -239,7 +292,7 @@ class QueryService:
         replies = [first]
         if others:
             near = _Run(self, tenant, msgspec.structs.replace(query, max_distance_m=reach),
-                        run.as_of, run.deadline, [])
+                        run.as_of, run.deadline, [], run.version)
             replies += await near.round(others, query.k)
         records, more, exact = merge_listed(replies, nearest_first, lambda r: True, query.k)
         if not exact:
@@ -262,10 +315,11 @@ class QueryService:
         cells = whole_cells(index.grid, query.bbox)
         if cells is None:
             return None
-        # One round trip: failovers, the streams' tails (what "accepted before the query"
-        # means), and the counts with their marks (each worker writes both at once, the mark
-        # read first: the counts read after it count at least that far).
-        n = len(targets)
+        # One round trip: failovers, the counts that changed since this process read them
+        # (with the mark of the entry they count up to: one script reads both, one state of
+        # them), and the part of the cells the box cuts, counted by the workers. Each
+        # answers with the entry it had processed, having written its counts that far: what
+        # "accepted before the query" means for the counts.
         # the buckets of the window (a little past now: another api process's clock)
         fields = [names.cell_counts_field(tenant, b) for b in range(
             int((run.as_of - self.settings.window_s) // self.settings.bucket_s),
@@ -273,62 +327,49 @@ class QueryService:
         pipe = self.redis.pipeline(transaction=False)
         for w in targets:
             pipe.get(names.adopter_key(w))
-        for w in targets:
-            pipe.xrevrange(names.worker_stream(w), count=1)
-        for w in targets:
-            pipe.hget(names.cell_counts_key(w), names.CELL_COUNTS_UPTO)
-        for w in targets:
-            pipe.hmget(names.cell_counts_key(w), fields)
+        reading = self.counts.read(pipe, targets, tenant, fields)
+        border = _Run(self, tenant, msgspec.structs.replace(query, skip_cells=cells),
+                      run.as_of, run.deadline, [], run.version)
+        sending = border.send(pipe, targets, 0)
         got = await pipe.execute()
-        if any(a is not None for a in got[:n]):
+        if any(a is not None for a in got[:len(targets)]):
+            # (the parts sent are answered to a list nobody reads, which expires)
             log.info("a failed-over worker among %s: the workers count", targets)
             return None
-        tails = [entry_order(rows[0][0]) if rows else (0, 0) for rows in got[n:2 * n]]
-        # The border goes to the workers at once; the counts catch up meanwhile if need be.
-        border = _Run(self, tenant, msgspec.structs.replace(query, skip_cells=cells),
-                      run.as_of, run.deadline, [])
-        counted, replies = await asyncio.gather(
-            self._whole_cells(fields, targets, tails, got[2 * n:3 * n], got[3 * n:], cells,
-                              index.grid, run.as_of),
-            border.round(targets, 0))
+        held = self.counts.absorb(reading, got, index.grid)
+        replies = await border.gather(sending, got)
+        marks = {r.worker: r.mark for r in replies}
+        if any(marks[w] is None for w in targets):
+            log.info("per-cell counts not written as far as processed on %s: the workers "
+                     "count", [w for w in targets if marks[w] is None])
+            return None
+        counted = await self._whole_cells(
+            tenant, fields, targets, [entry_order(str(marks[w])) for w in targets], held,
+            cells, index.grid, run.as_of)
         if counted is None:
             return None
         return counted + sum(r.count for r in replies)
 
-    async def _whole_cells(self, fields: list[str], targets: list[str],
-                           tails: list[tuple[int, int]],
-                           upto: list[Any], held: list[Any], cells: tuple[int, int, int, int],
-                           grid: Grid, as_of: float) -> int | None:
+    async def _whole_cells(self, tenant: str, fields: list[str], targets: list[str],
+                           tails: list[tuple[int, int]], held: list[HeldCounts],
+                           cells: tuple[int, int, int, int], grid: Grid, as_of: float
+                           ) -> int | None:
         """The records in `cells` from the workers' counts, once each includes its tail."""
         give_up = time.monotonic() + COUNTS_WAIT_S
-        while not all(u is not None and entry_order(u) >= tail
-                      for u, tail in zip(upto, tails, strict=True)):
+        pause = 0.0  # read again at once (the workers wrote their counts before answering)
+        while not self.counts.caught_up(held, tails):
             if time.monotonic() > give_up:
                 log.warning("per-cell counts behind their streams after %g s (%s at %s, "
-                            "tails %s): the workers count", COUNTS_WAIT_S, targets, upto, tails)
+                            "tails %s): the workers count", COUNTS_WAIT_S, targets,
+                            [h.mark for h in held], tails)
                 return None
-            await asyncio.sleep(0.002)
+            await asyncio.sleep(pause)
+            pause = 0.002
             pipe = self.redis.pipeline(transaction=False)
-            for w in targets:
-                pipe.hget(names.cell_counts_key(w), names.CELL_COUNTS_UPTO)
-            for w in targets:
-                pipe.hmget(names.cell_counts_key(w), fields)
-            got = await pipe.execute()
-            upto, held = got[:len(targets)], got[len(targets):]
+            reading = self.counts.read(pipe, targets, tenant, fields)
+            held = self.counts.absorb(reading, await pipe.execute(), grid)
         horizon = int((as_of - self.settings.window_s) // self.settings.bucket_s)
-        total = 0
-        for raw in (r for per_worker in held for r in per_worker):
-            if raw is None:
-                continue
-            for bucket, ids, counts in wire.decode_cell_counts(raw).buckets:
-                if bucket < horizon or not ids:
-                    continue
-                cid = np.frombuffer(ids, dtype="<i8")
-                cx, cy = cid % grid.nx, cid // grid.nx
-                inside = ((cx >= cells[0]) & (cx <= cells[2]) & (cy >= cells[1])
-                          & (cy <= cells[3]))
-                total += int(np.frombuffer(counts, dtype="<i8")[inside].sum())
-        return total
+        return sum(h.count(cells, horizon) for h in held)
 
     async def targets(self, index: GlobalIndex, query: wire.SnapshotQuery, now: float
                       ) -> list[str]:
@@ -338,7 +379,12 @@ class QueryService:
             return sorted(index.workers)
         workers = plan_workers(index, query)
         horizon = now - self.settings.window_s - self.settings.bucket_s
-        plans = await self.router.plans_since(horizon, index)
+        history = self.router.history
+        # The plans this process knows, once they reach the current one (the history is read
+        # back to a known plan, so none between is missing); the parts are sent only while
+        # the current plan is the newest (see `execute`).
+        plans = (history.since(horizon, index) if index.version in history.plans
+                 else await self.router.plans_since(horizon, index))
         if plans is None:  # the plans of part of the window are unknown: ask everyone
             return sorted(index.workers)
         for plan in plans:
@@ -358,34 +404,65 @@ def whole_cells(grid: Grid, bbox: tuple[float, float, float, float]
     return x0, y0, x1, y1
 
 
+class _Sending(NamedTuple):
+    """Parts queued on a pipeline: their reply token, workers, and first reply's position."""
+
+    token: str
+    workers: list[str]
+    first: int
+
+
 class _Run:
     """The rounds of one query."""
 
     def __init__(self, service: QueryService, tenant: str, query: wire.SnapshotQuery,
-                 as_of: float, deadline: float, everyone: list[str]) -> None:
+                 as_of: float, deadline: float, everyone: list[str], version: str) -> None:
         self.service = service
         self.tenant = tenant
         self.query = query
         self.as_of = as_of
         self.deadline = deadline
         self.everyone = everyone
+        self.version = version  # of the plan the workers were chosen with ('' for any)
 
     async def round(self, workers: Iterable[str], limit: int,
                     latest_of: list[str] | None = None) -> list[wire.QueryReply]:
         """Send one part to each worker and wait for every answer."""
-        svc = self.service
-        redis = svc.redis
+        pipe = self.service.redis.pipeline(transaction=False)
+        sending = self.send(pipe, workers, limit, latest_of)
+        return await self.gather(sending, await pipe.execute())
+
+    def send(self, pipe: Any, workers: Iterable[str], limit: int,
+             latest_of: list[str] | None = None) -> _Sending:
+        """Queue one part to each worker on `pipe` (whose replies `gather` then takes)."""
         token = secrets.token_hex(12)
         part = wire.encode_entry(wire.QueryPart(
             reply=token, tenant=self.tenant, query=self.query, as_of=self.as_of,
             deadline=self.deadline, limit=limit, latest_of=latest_of))
-        waiting = set(workers)
-        pipe = redis.pipeline(transaction=False)
-        for w in sorted(waiting):
-            pipe.xadd(names.worker_stream(w), {b"m": part})
-        await pipe.execute()
+        order = sorted(set(workers))
+        first = len(pipe.command_stack)
+        for w in order:
+            run_script(pipe, self.service.send_part,
+                       [names.worker_stream(w), names.query_stream(w), names.adopter_key(w),
+                        names.PLAN_HISTORY],
+                       [part, QUERY_STREAM_LEN, self.version])
+        return _Sending(token, order, first)
+
+    async def gather(self, sending: _Sending, results: list[Any]) -> list[wire.QueryReply]:
+        """Wait for the answer of every worker a part was sent to (`results`: the replies of
+        the pipeline it was sent on)."""
+        svc = self.service
+        redis = svc.redis
+        token, order = sending.token, sending.workers
+        sent = [int(s) for s in results[sending.first:sending.first + len(order)]]
+        if -1 in sent:
+            # the parts sent are answered to a list nobody reads, which expires
+            raise StalePlan(self.version)
+        waiting = set(order)
+        straight = {w for w, how in zip(order, sent, strict=True) if how == 1}
         key = names.query_reply_key(token)
         replies: list[wire.QueryReply] = []
+        answered = False
         try:
             while waiting:
                 left = self.deadline - time.time()
@@ -396,7 +473,7 @@ class _Run:
                         "(query_timeout_s)")
                 got = await redis.blpop([key], timeout=min(1.0, left))
                 if got is None:
-                    await self._check_alive(waiting)
+                    await self._check_alive(waiting, straight)
                     continue
                 raw = got[1]
                 reply = wire.decode_query_reply(raw if isinstance(raw, bytes) else raw.encode())
@@ -406,16 +483,21 @@ class _Run:
                     raise QueryFailed(f"worker {reply.worker} failed the query: {reply.error}")
                 waiting.discard(reply.worker)
                 replies.append(reply)
+            answered = True
         finally:
-            await redis.delete(key)
+            if not answered:  # the list empties (and so goes) as the answers are taken
+                await redis.delete(key)
         return replies
 
-    async def _check_alive(self, waiting: set[str]) -> None:
+    async def _check_alive(self, waiting: set[str], straight: set[str]) -> None:
         svc = self.service
         raw = await svc.redis.hmget(names.WORKERS_KEY, sorted(waiting))
         now = time.time()
         dead = [w for w, beat in zip(sorted(waiting), raw, strict=True)
                 if not heartbeat_fresh(beat, now, svc.settings.worker_dead_after_s)]
+        # A part sent straight is answered by its worker only.
+        gone = [w for w in dead if w in straight]
+        dead = [w for w in dead if w not in straight]
         if dead:
             # A failed-over worker's stream, and so its part of the query, is processed by
             # its adopter (workers.failover): it is the adopter that must be alive.
@@ -425,12 +507,13 @@ class _Run:
             fresh = {a for a, beat in zip(alive, beats, strict=True)
                      if heartbeat_fresh(beat, now, svc.settings.worker_dead_after_s)}
             dead = [w for w, a in zip(dead, adopters, strict=True) if a not in fresh]
+        dead = sorted(gone + dead)
         if dead:
             raise QueryFailed(
                 f"worker{'s' if len(dead) > 1 else ''} {', '.join(dead)} holding part of the "
                 f"window {'are' if len(dead) > 1 else 'is'} not running (no heartbeat for "
                 f"{svc.settings.worker_dead_after_s:g} s); retry when "
-                f"{'they are' if len(dead) > 1 else 'it is'} back")
+                f"{'they are' if len(dead) > 1 else 'it is'} back or failed over")
 
     async def latest_ts(self, replies: list[wire.QueryReply]) -> dict[str, float]:
         """Every worker's latest record time (within the time range) of each moving object

@@ -206,11 +206,12 @@ class SnapshotQuery(msgspec.Struct, kw_only=True, omit_defaults=True):
 
 
 class QueryPart(msgspec.Struct, tag="q", tag_field="t", kw_only=True):
-    """One worker's share of a snapshot query, behind the entries routed to it before (so a
-    query sees every object accepted before it). `reply` names the list the worker pushes its
-    `QueryReply` to; `as_of` (the api's clock when the query started) excludes records that
-    arrived later, so that every round of one query sees the same records. `limit` is the
-    per-worker cap of this round (the aggregator raises it when a round could not be exact).
+    """One worker's share of a snapshot query, answered once the worker has processed the
+    entries routed to it before (so a query sees every object accepted before it). `reply`
+    names the list the worker pushes its `QueryReply` to; `as_of` (the api's clock when the
+    query started) excludes records that arrived later, so that every round of one query
+    sees the same records. `limit` is the per-worker cap of this round (the aggregator raises
+    it when a round could not be exact).
     `latest_of`: instead of evaluating the query, report this worker's latest record time
     (<= query.t_to) of each of these moving objects (the check of `latest` answers)."""
 
@@ -244,7 +245,9 @@ class QueryReply(msgspec.Struct, kw_only=True, omit_defaults=True):
     (nearest first) answers, at most the part's limit, `truncated` when more matched; with
     `latest`, count and topk_terms also list the moving objects' candidate records here (the
     aggregator checks them), and `count` / `terms` cover the rest. `latest`: the reply to
-    `latest_of` (object id -> latest ts). `error`: why the worker could not answer."""
+    `latest_of` (object id -> latest ts). `error`: why the worker could not answer. `mark`
+    (a count that skips cells): the last entry of its stream the worker had processed, with
+    its per-cell counts written that far."""
 
     worker: str
     records: list[FoundRecord] = []
@@ -253,6 +256,7 @@ class QueryReply(msgspec.Struct, kw_only=True, omit_defaults=True):
     terms: dict[str, int] = {}
     latest: dict[str, float] = {}
     error: str | None = None
+    mark: str | None = None
 
 
 class CellCounts(msgspec.Struct, array_like=True):

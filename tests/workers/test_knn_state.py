@@ -182,3 +182,27 @@ def test_a_listed_object_leaving_stays_until_its_new_owner_has_it() -> None:
     assert "a" not in state.ghosts
     state.refresh()
     assert sub.local[0][1] == "a" and sub.local[0][2] == 0.3
+
+
+def test_lists_reaching_far_are_registered_in_coarser_cells() -> None:
+    """A list whose k-th neighbour is far (a sparse region) covers too many reach cells: it is
+    registered in coarser ones (or checked against every arrival beyond the coarsest), and
+    arrivals still enter every list exactly."""
+    state = KnnState(window_s=10.0, bucket_s=1.0, grid=Grid())
+    for i, (x, y) in enumerate([(0.0, 0.0), (10.0, 5.0), (-7.0, 2.0)]):
+        state.upsert_moving(f"m{i}", x, y, frozenset(), 1.0)
+    state.add(KnnSub("near", 0.1, 0.1, 1, frozenset(), False))  # 15 km
+    state.add(KnnSub("mid", 10.0, 14.0, 1, frozenset(), False))  # 1 000 km
+    state.add(KnnSub("far", 40.0, 20.0, 2, frozenset(), False))  # 5 000 km
+    state.add(KnnSub("half", -150.0, -60.0, 3, frozenset(), False))  # half the world
+    state.add(KnnSub("all", 60.0, -30.0, 10, frozenset(), False))  # fewer than k anywhere
+    state.refresh()
+    assert all(n > 0 for n in state.reach.per_level), state.reach.per_level
+    assert state.reach.wide
+    moves = [(39.0, 21.0), (9.0, 13.0), (0.2, 0.05), (-149.0, -61.0), (120.0, 45.0)]
+    for step, (x, y) in enumerate(moves):
+        state.upsert_moving(f"m{step % 3}", x, y, frozenset(), 2.0 + step)
+        state.upsert_moving(f"n{step}", -x, -y, frozenset(), 2.0 + step)
+        state.refresh()
+        for sub in state.subs.values():
+            assert [n[:4] for n in sub.local] == top_k(state.objects, sub), (step, sub.id)

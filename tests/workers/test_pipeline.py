@@ -408,6 +408,19 @@ async def _knn_bounded(server: LiveServer) -> None:
         assert radius > before and wb in held
         await listener.close()
 
+        # The cluster view counts the registrations and the resizes (from the heartbeats).
+        def view() -> dict[str, Any]:
+            r = httpx.get(server.base_url + "/v1/admin/cluster", headers=server.admin())
+            return {w["id"]: w for w in r.json()["workers"]}
+
+        def counted() -> bool:
+            workers = view()
+            return (workers[wb]["knn_registrations"] >= 2
+                    and sum(w["knn_resizes"]["shrink"] for w in workers.values()) >= 2
+                    and sum(w["knn_resizes"]["grow"] for w in workers.values()) >= 1)
+
+        assert await wait_for(counted, 15), view()
+
 
 def test_knn_registered_only_where_its_neighbours_can_be(pipeline: LiveServer) -> None:
     """A kNN subscription starts unbounded on a new tenant, shrinks to the owner of its point

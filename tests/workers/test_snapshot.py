@@ -7,20 +7,27 @@ SIGKILLed (503 naming it) and restarted (its window read back from its log: exac
 
 from __future__ import annotations
 
+import asyncio
 import math
 import random
+import secrets
 import signal
 import time
 from collections import Counter
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
 import pytest
 import redis
+import redis.asyncio as aioredis
 
+from app.core.config import get_settings
 from app.geo.geometry import haversine_m
-from app.pipeline import names
+from app.pipeline import names, wire
+from app.pipeline.queries import QueryService
+from app.pipeline.router import Router
 from tests.conftest import LiveServer, auth, start_server
 from tests.workers.test_balancing import command, owner, plan_of
 from tests.workers.test_pipeline import WORDS
@@ -227,6 +234,85 @@ def test_a_slow_answer_is_polled_by_id(cluster: LiveServer) -> None:
         assert got.json()["status"] == "done"
         assert shaped(q, got.json()["results"]) == data.answer(q)
         assert client.get(f"/v1/queries/{qid}", headers=auth(stranger)).status_code == 404
+
+
+def test_a_query_waits_for_the_backlog_accepted_before_it(cluster: LiveServer) -> None:
+    """A query part goes straight to each worker with the tail of its stream: a worker that
+    is far behind (stopped while hundreds of entries were accepted, more than one read of its
+    stream takes) answers only once it has processed them all."""
+    key = cluster.new_key()
+    rng = random.Random(5)
+    data, clock = Records(), [T0]
+    batches = [random_objects(rng, 4, clock) for _ in range(300)]
+    queries = [{"type": "count", "bbox": [-2, -1, 2, 1], "keywords": WORDS, "match": "any"},
+               {"type": "range", "bbox": [-2.5, -1.5, 0.5, 1.5], "limit": 10_000},
+               {"type": "knn", "point": [-1.0, 0.0], "k": 30, "latest": True}]
+    with httpx.Client(base_url=cluster.base_url, timeout=60) as client:
+        cluster.kill("w0", signal.SIGSTOP)
+        try:
+            with ThreadPoolExecutor(4) as pool:
+                list(pool.map(lambda objs: publish(client, key, data, objs), batches))
+            ids = []
+            for q in queries:
+                r = query(client, key, {**q, "wait_s": 0})
+                assert r.status_code in (200, 202), r.text
+                ids.append(r.json()["id"])
+        finally:
+            cluster.kill("w0", signal.SIGCONT)
+        for q, qid in zip(queries, ids, strict=True):
+            deadline = time.monotonic() + 20
+            while True:
+                got = client.get(f"/v1/queries/{qid}", headers=auth(key)).json()
+                if got["status"] != "running" or time.monotonic() > deadline:
+                    break
+                time.sleep(0.02)
+            assert got["status"] == "done", got
+            assert shaped(q, got["results"]) == data.answer(q), q
+
+
+def test_a_query_planned_with_an_older_plan_is_planned_again(cluster: LiveServer) -> None:
+    """An api process chooses a query's workers from the plans it knows, without reading the
+    plan history; a part is sent only while the newest plan is the one they came from. Here
+    that process's plan is held stale across a move (another api process published since,
+    to the partition's new owner): its query is planned again and finds those records."""
+    tenant = "stale-" + secrets.token_hex(3)
+    key = cluster.new_key(tenant)
+    rng = random.Random(9)
+    data, clock = Records(), [T0]
+    with pytest.MonkeyPatch.context() as mp:
+        for name, value in cluster.env.items():
+            mp.setenv(name, value)
+        get_settings.cache_clear()
+        settings = get_settings()
+    get_settings.cache_clear()
+    east = (0.5, -1.5, 2.5, 1.5)
+    q = {"type": "range", "bbox": list(east), "limit": 10_000}
+
+    async def scenario() -> list[dict[str, Any]]:
+        client = aioredis.from_url(cluster.redis_url)
+        router = Router(settings, client)
+        service = QueryService(settings, client, router)
+        query = wire.SnapshotQuery(type="range", bbox=east, limit=10_000)
+        with httpx.Client(base_url=cluster.base_url, timeout=60) as http:
+            publish(http, key, data, random_objects(rng, 200, clock))
+            first = await service.execute(tenant, query)
+            assert shaped(q, first["results"]) == data.answer(q)
+            router._plan_checked = time.monotonic() + 3600  # this process's plan: held
+            plan = plan_of(cluster)
+            pid, w = owner(plan, 1.0, 0.0)
+            other = "w1" if w == "w0" else "w0"
+            reply = await asyncio.to_thread(
+                command, cluster, w, {"t": "move", "partitions": [pid], "to": other})
+            assert reply is not None and reply["ok"], reply
+            publish(http, key, data, random_objects(rng, 200, clock))  # to the new owner
+        assert router.index is not None and router.index.version < plan_of(cluster).version
+        out = await service.execute(tenant, query)
+        # planned again: with the plan of the move, which this process had not read
+        assert router.index.version == plan_of(cluster).version
+        await client.aclose()
+        return list(out["results"])
+
+    assert shaped(q, asyncio.run(scenario())) == data.answer(q)
 
 
 def test_a_worker_stopped_mid_query_fails_it_with_503(cluster: LiveServer) -> None:

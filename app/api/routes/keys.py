@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Response
 from starlette.concurrency import run_in_threadpool
 
-from app.api.deps import AdminDep, StateDep, StrictJSONRoute
+from app.api.deps import AdminDep, StateDep, StrictJSONRoute, new_keys_token
 from app.api.openapi import ADMIN, BODY, errors
 from app.core.db import session_scope
 from app.core.errors import NotFound
@@ -39,6 +39,7 @@ async def revoke_key(key_id: str, state: StateDep, _admin: AdminDep) -> Response
 
     if not await run_in_threadpool(work):
         raise NotFound(f"no API key with id {key_id!r}")
+    await new_keys_token(state)
     if state.hub is not None:
         await state.hub.key_revoked(key_id)
     return Response(status_code=204)
