@@ -39,8 +39,9 @@ from app.pipeline.router import (
     targets_for_spec,
 )
 from app.services.subscriptions import all_live
+from workers.archiving import Archiver
 from workers.decide import Matches, decide
-from workers.failover import Adoption, Fenced, fence_lost, load_window, watch_fence
+from workers.failover import Adoption, Fenced, fence_lost, load_window, log_start, watch_fence
 from workers.knn import KnnState, KnnSub
 from workers.knn_reg import KnnRegistry
 from workers.ledger import SwarmLedger, rect_of
@@ -109,7 +110,9 @@ class Executor:
         # those records it comes after.
         self.window_stream = names.window_stream(worker_id)
         self.records = RecordWindow(settings.window_s, settings.bucket_s)
-        self.pending_records: list[wire.ObjectBatch] = []
+        # records with the bucket each is kept in (`RecordWindow.bucket_of`)
+        self.pending_records: list[tuple[wire.ObjectBatch, int]] = []
+        self.archiver = Archiver(self.redis, settings, grid_of(settings), worker_id)
         self.pending_queries: list[tuple[wire.QueryPart, int]] = []
         # Query parts sent straight to us (`app.pipeline.queries`), waiting until a read of
         # our stream reaches its end: (entry id, part).
@@ -335,7 +338,8 @@ class Executor:
         """The records of the live window from the window log (see `workers.records`)."""
         assert self.index is not None
         self.records = load_window(self.redis, self.window_stream, self.settings.window_s,
-                                   self.settings.bucket_s, f"worker {self.id}", self.index.grid)
+                                   self.settings.bucket_s, f"worker {self.id}",
+                                   self.archiver.load(), self.index.grid)
         # counts written before are replaced by the rebuilt window's (see _report_counts)
         self.redis.delete(names.cell_counts_key(self.id))
         self.processed_id = None
@@ -451,7 +455,7 @@ class Executor:
             self._expire_window(now)
             for adoption in list(self.adoptions.values()):
                 if adoption.still_ours():
-                    adoption.records.expire(now)
+                    adoption.archiver.step(adoption.records, now)
                 else:
                     self._end_adoption(adoption, "its worker is back")
 
@@ -657,7 +661,6 @@ class Executor:
     def _keep_records(self) -> None:
         """After the commit: the entries' records join the window, and each query is answered
         at its place among them (it sees the records of the entries before it)."""
-        now = time.time()
         records, self.pending_records = self.pending_records, []
         queries, self.pending_queries = self.pending_queries, []
         pipe = self.redis.pipeline(transaction=False)  # empty without queries: no round trip
@@ -668,7 +671,7 @@ class Executor:
                 self.answer(part, pipe, self.records.tenants.get(part.tenant), self.id)
                 q += 1
             if pos < len(records):
-                self.records.add(records[pos], now)
+                self.records.add(*records[pos])
         pipe.execute()
 
     def _take_straight(self, entries: list[tuple[bytes, dict[bytes, bytes]]]) -> None:
@@ -714,7 +717,8 @@ class Executor:
         if time.time() > part.deadline:
             return  # the api has given up on it
         try:
-            reply = evaluate(records, part, worker, self.records.grid)
+            reply = evaluate(records, part, worker, self.records.grid,
+                             self._dropped(worker))
             reply.mark = mark
         except Exception as exc:  # a query must not take the worker down
             log.exception("worker %s: snapshot query failed", self.id)
@@ -722,6 +726,11 @@ class Executor:
         key = names.query_reply_key(part.reply)
         pipe.rpush(key, wire.encode_query_reply(reply))
         pipe.expire(key, 120)
+
+    def _dropped(self, worker: str) -> int:
+        """The greatest bucket of `worker`'s window whose records left our memory."""
+        adoption = self.adoptions.get(worker)
+        return (adoption.archiver if adoption is not None else self.archiver).dropped
 
     def notify(self, writes: list[tuple[str, int, list[str], list[bytes], dict[str, bytes]]],
                 replies: list[list[bytes]], notify: dict[str, set[str]]) -> None:
@@ -770,10 +779,10 @@ class Executor:
         try:
             for stream in (self.stream, *(a.stream for a in self.adoptions.values())):
                 self.trim_stream(stream)
-            # the window log keeps a bucket more than the window (records expire by bucket)
-            oldest = (self.records.horizon(now) - 1) * self.settings.bucket_s
-            self.redis.execute_command("XTRIM", self.window_stream, "MINID", "~",
-                                       f"{int(oldest * 1000)}-0")
+            # the window log keeps what is not archived yet
+            start = log_start(self.archiver.cut, self.settings.bucket_s)
+            if start != "-":
+                self.redis.execute_command("XTRIM", self.window_stream, "MINID", "~", start)
         except redis.ResponseError as exc:
             log.warning("worker %s: trim failed: %s", self.id, exc)
 
@@ -858,8 +867,10 @@ class Executor:
         for msg in group:
             kept = records_of(msg)
             if kept is not None:
-                self.pending_records.append(kept)
-                pipe.xadd(self.window_stream, {b"m": wire.encode_entry(kept)})
+                bucket = self.records.bucket_of(kept, self.archiver.cut)
+                self.pending_records.append((kept, bucket))
+                pipe.xadd(self.window_stream, {b"m": wire.encode_entry(kept),
+                                               b"b": str(bucket).encode()})
         batch = wire.ObjectBatch.concat(group)
         tenant = batch.tenant
         at = [b.sent_at for b in group for _ in b.ids]
@@ -915,9 +926,9 @@ class Executor:
                                 bucket=int(time.time() // self.settings.bucket_s))
 
     def _expire_window(self, now: float) -> None:
-        """Objects that left the window decrement N (§4.2.2) and leave the records; old
-        tombstones are forgotten."""
-        self.records.expire(now)
+        """Objects that left the window decrement N (§4.2.2), and their records go to the
+        archive; old tombstones are forgotten."""
+        self.archiver.step(self.records, now)
         self.ledger.expire(int((now - self.settings.window_s) // self.settings.bucket_s))
         cutoff = now - TOMBSTONE_S
         for sid in [s for s, t in self.tombstones.items() if t < cutoff]:

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -38,6 +37,8 @@ from app.geo.grid import Grid
 from app.geo.index import Partition, Plan
 from app.pipeline import names, wire
 from app.pipeline.control import history_entry
+from app.pipeline.router import grid_of
+from workers.archiving import NO_CUT, Archiver
 from workers.records import RecordWindow
 
 if TYPE_CHECKING:
@@ -147,13 +148,24 @@ def fence_lost(client: Any, worker: str, epoch: int, exc: redis.WatchError) -> F
     return Fenced(f"the stream of {worker} is fenced (epoch {current}, ours {epoch})")
 
 
+# The window log is kept from this long before the first bucket after the archive cut: a
+# record kept in a bucket was logged (by Redis's clock) after that bucket began (by the api's).
+LOG_MARGIN_S = 300.0
+
+
+def log_start(cut: int, bucket_s: float) -> str:
+    """The first window log entry that may hold records above the archive cut."""
+    if cut == NO_CUT:
+        return "-"
+    return f"{max(0, int(((cut + 1) * bucket_s - LOG_MARGIN_S) * 1000))}-0"
+
+
 def load_window(client: Any, stream: str, window_s: float, bucket_s: float, who: str,
-                grid: Grid | None = None) -> RecordWindow:
-    """The records of the live window read back from a worker's window log (counted per cell
-    of `grid` when given)."""
-    now = time.time()
+                cut: int, grid: Grid | None = None) -> RecordWindow:
+    """The records not archived yet (above `cut`) read back from a worker's window log, each
+    in the bucket logged with it (counted per cell of `grid` when given)."""
     window = RecordWindow(window_s, bucket_s, grid)
-    start = f"{int(window.horizon(now) * bucket_s * 1000)}-0"
+    start = log_start(cut, bucket_s)
     while True:
         rows = client.xrange(stream, min=start, count=1000)
         for eid, fields in rows:
@@ -163,7 +175,10 @@ def load_window(client: Any, stream: str, window_s: float, bucket_s: float, who:
                 log.error("%s: unreadable window log entry %s of %s: %s", who, eid, stream, exc)
                 continue
             if isinstance(entry, wire.ObjectBatch):
-                window.add(entry, now)
+                raw = fields.get(b"b")
+                bucket = window.bucket_of(entry, cut) if raw is None else int(raw)
+                if bucket > cut:
+                    window.add(entry, bucket)
         if len(rows) < 1000:
             return window
         start = "(" + rows[-1][0].decode()
@@ -178,8 +193,9 @@ class Adoption:
         self.epoch = epoch
         self.stream = names.worker_stream(dead)
         s = ex.settings
+        self.archiver = Archiver(ex.redis, s, grid_of(s), dead)
         self.records = load_window(ex.redis, names.window_stream(dead), s.window_s, s.bucket_s,
-                                   f"worker {ex.id} (adopting {dead})")
+                                   f"worker {ex.id} (adopting {dead})", self.archiver.load())
         self.forwarded = 0
 
     def start(self) -> None:

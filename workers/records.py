@@ -12,7 +12,7 @@ worker reads its window back instead of losing it.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -87,9 +87,8 @@ class Chunk:
         return self._last_row
 
     @staticmethod
-    def of(batch: ObjectBatch, bucket_s: float) -> Chunk:
-        return Chunk.build(int(batch.sent_at // bucket_s), batch,
-                           np.full(len(batch), batch.sent_at, dtype=np.float64))
+    def of(batch: ObjectBatch, bucket: int) -> Chunk:
+        return Chunk.build(bucket, batch, np.full(len(batch), batch.sent_at, dtype=np.float64))
 
     @staticmethod
     def build(bucket: int, batch: ObjectBatch, at: F64) -> Chunk:
@@ -114,11 +113,12 @@ class Chunk:
 @dataclass
 class TenantRecords:
     """One tenant's records on this worker, oldest chunk first, and per moving object the
-    (ts, arrival) of each of its records here, in arrival order (for `latest`)."""
+    (ts, arrival, bucket) of each of its records here, in arrival order (for `latest`)."""
 
     chunks: deque[Chunk] = field(default_factory=deque)
-    by_object: dict[str, deque[tuple[float, float]]] = field(default_factory=dict)
+    by_object: dict[str, deque[tuple[float, float, int]]] = field(default_factory=dict)
     size: int = 0
+    floor: int = -(1 << 62)  # a view's: records of buckets up to it are left out (`after`)
     # bucket -> global grid cell -> records (CheetahGIS's per-cell counts; `CellCounts`)
     cell_counts: dict[int, dict[int, int]] = field(default_factory=dict)
 
@@ -138,7 +138,7 @@ class TenantRecords:
             seen = self.by_object.get(oid)
             if seen is None:
                 seen = self.by_object[oid] = deque()
-            seen.append((chunk.batch.ts[i], float(chunk.at[i])))
+            seen.append((chunk.batch.ts[i], float(chunk.at[i]), chunk.bucket))
 
     def compact(self) -> None:
         """Merge runs of consecutive chunks of one bucket into chunks of up to MERGED_ROWS
@@ -163,11 +163,20 @@ class TenantRecords:
         flush()
         self.chunks = merged
 
-    def expire(self, horizon: int) -> None:
-        """Drop the chunks of buckets before `horizon`."""
+    def after(self, bucket: int) -> TenantRecords:
+        """These records without the chunks of buckets up to `bucket` (a view for one query:
+        the chunks are shared)."""
+        if all(c.bucket > bucket for c in self.chunks):
+            return self
+        return replace(self, chunks=deque(c for c in self.chunks if c.bucket > bucket),
+                       floor=bucket)
+
+    def expire(self, horizon: int, through: int) -> None:
+        """Forget the counts of buckets before `horizon`, and drop the oldest chunks while
+        their bucket is at most `through` (archived)."""
         for bucket in [b for b in self.cell_counts if b < horizon]:
             del self.cell_counts[bucket]
-        while self.chunks and self.chunks[0].bucket < horizon:
+        while self.chunks and self.chunks[0].bucket <= through:
             chunk = self.chunks.popleft()
             self.size -= len(chunk.batch)
             for i in np.flatnonzero(chunk.moving).tolist():
@@ -179,11 +188,12 @@ class TenantRecords:
 
     def latest_ts(self, oid: str, t_from: float | None, t_to: float | None,
                   as_of: float) -> tuple[float, float] | None:
-        """The greatest (ts, arrival) of the object's records here with t_from <= ts <= t_to
-        that arrived by `as_of`, or None."""
+        """The greatest (ts, arrival) of the object's records here (in buckets after
+        `floor`) with t_from <= ts <= t_to that arrived by `as_of`, or None."""
+        after = self.floor
         best: tuple[float, float] | None = None
-        for ts, at in self.by_object.get(oid, ()):
-            if at > as_of or (t_from is not None and ts < t_from) or (
+        for ts, at, bucket in self.by_object.get(oid, ()):
+            if at > as_of or bucket <= after or (t_from is not None and ts < t_from) or (
                     t_to is not None and ts > t_to):
                 continue
             if best is None or (ts, at) > best:
@@ -210,14 +220,17 @@ class RecordWindow:
         """The oldest bucket still in the window."""
         return int((now - self.window_s) // self.bucket_s)
 
-    def add(self, batch: ObjectBatch, now: float) -> None:
-        """Store a batch of records (exit-only copies removed by the caller) unless its
-        bucket has left the window already (a replay, a rebuild)."""
+    def bucket_of(self, batch: ObjectBatch, cut: int) -> int:
+        """The bucket a batch's records are kept in: that of their arrival, or the first one
+        after the archive cut if that one is archived already (a late entry, a backlog): a
+        record joins no bucket whose file is written (`app.archive.layout`)."""
+        return max(int(batch.sent_at // self.bucket_s), cut + 1)
+
+    def add(self, batch: ObjectBatch, bucket: int) -> None:
+        """Store a batch of records (exit-only copies removed by the caller) in `bucket`."""
         if not len(batch):
             return
-        chunk = Chunk.of(batch, self.bucket_s)
-        if chunk.bucket < self.horizon(now):
-            return
+        chunk = Chunk.of(batch, bucket)
         records = self.tenants.get(batch.tenant)
         if records is None:
             records = self.tenants[batch.tenant] = TenantRecords()
@@ -226,15 +239,29 @@ class RecordWindow:
             records.count_cells(chunk, self.grid)
             self.changed.add((batch.tenant, chunk.bucket))
 
-    def expire(self, now: float) -> None:
-        """Drop what left the window, and merge small chunks."""
+    def expire(self, now: float, through: int) -> None:
+        """Forget the counts of buckets that left the window, drop the records of buckets up
+        to `through` (archived: the oldest chunks while theirs is), and merge small chunks."""
         horizon = self.horizon(now)
         for tenant, records in self.tenants.items():
             self.changed.update((tenant, b) for b in records.cell_counts if b < horizon)
-            records.expire(horizon)
+            records.expire(horizon, through)
             records.compact()
         for tenant in [t for t, r in self.tenants.items() if not r.size]:
             del self.tenants[tenant]
+
+    def buckets(self) -> set[int]:
+        """The buckets of the records held."""
+        return {c.bucket for t in self.tenants.values() for c in t.chunks}
+
+    def bucket_batches(self, bucket: int) -> dict[str, list[tuple[ObjectBatch, F64]]]:
+        """Per tenant, the batches of one bucket with their records' arrival times."""
+        out: dict[str, list[tuple[ObjectBatch, F64]]] = {}
+        for tenant, records in self.tenants.items():
+            held = [(c.batch, c.at) for c in records.chunks if c.bucket == bucket]
+            if held:
+                out[tenant] = held
+        return out
 
 
 def records_of(batch: ObjectBatch) -> ObjectBatch | None:

@@ -26,10 +26,26 @@ from workers.records import CELL_DEG, Chunk, TenantRecords
 Row = tuple[Chunk, int]
 
 
+NO_CUT = -(1 << 62)
+# The error of a part whose archive cut is below records that left memory (see `evaluate`).
+STALE_CUT = "stale archive cut"
+
+
 def evaluate(records: TenantRecords | None, part: wire.QueryPart, worker: str,
-             grid: Grid | None = None) -> wire.QueryReply:
-    """The reply of this worker to `part` (`grid`: the global grid, for `skip_cells`)."""
+             grid: Grid | None = None, dropped: int = NO_CUT) -> wire.QueryReply:
+    """The reply of this worker to `part` over the records `worker` stored (`grid`: the
+    global grid, for `skip_cells`; `dropped`: the last bucket of them that left memory)."""
     q = part.query
+    if part.cut is not None:
+        after = part.cut.get(worker, NO_CUT)
+        if dropped > after:
+            # archived records that left memory after the query read the cut: it reads the
+            # cut again (`app.pipeline.queries`)
+            return wire.QueryReply(worker=worker, error=STALE_CUT)
+    else:
+        after = NO_CUT if part.first_bucket is None else part.first_bucket - 1
+    if records is not None:
+        records = records.after(after)
     if q.skip_cells is not None:
         if grid is None:
             raise ValueError("a count that skips cells needs the global grid")

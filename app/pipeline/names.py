@@ -166,6 +166,16 @@ def cell_counts_field(tenant: str, bucket: int) -> str:
 
 CELL_COUNTS_UPTO = "@"
 
+# The archive (app.archive.layout): per worker, the last arrival bucket whose files are all
+# committed (hash worker -> bucket).
+ARCHIVE_CUT = "gs:archive:cut"
+# Snapshot query parts for the archive (wire.QueryPart, field `m`), taken by the query runners
+# (spark.runner) of consumer group RUNNER_GROUP; their heartbeats.
+ARCHIVE_JOBS = "gs:archive:jobs"
+RUNNER_GROUP = "runners"
+RUNNERS_KEY = "gs:runners"  # hash runner id -> JSON heartbeat {pid, host, heartbeat, ...}
+ARCHIVE_WORKER = "archive"  # the `worker` of the query runners' replies
+
 
 def query_reply_key(token: str) -> str:
     """List: the workers' `wire.QueryReply` to one round of a snapshot query."""

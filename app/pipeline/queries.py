@@ -436,9 +436,11 @@ class _Run:
              latest_of: list[str] | None = None) -> _Sending:
         """Queue one part to each worker on `pipe` (whose replies `gather` then takes)."""
         token = secrets.token_hex(12)
+        settings = self.service.settings
         part = wire.encode_entry(wire.QueryPart(
             reply=token, tenant=self.tenant, query=self.query, as_of=self.as_of,
-            deadline=self.deadline, limit=limit, latest_of=latest_of))
+            deadline=self.deadline, limit=limit, latest_of=latest_of,
+            first_bucket=int((self.as_of - settings.window_s) // settings.bucket_s)))
         order = sorted(set(workers))
         first = len(pipe.command_stack)
         for w in order:

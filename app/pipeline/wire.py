@@ -213,7 +213,10 @@ class QueryPart(msgspec.Struct, tag="q", tag_field="t", kw_only=True):
     sees the same records. `limit` is the per-worker cap of this round (the aggregator raises
     it when a round could not be exact).
     `latest_of`: instead of evaluating the query, report this worker's latest record time
-    (<= query.t_to) of each of these moving objects (the check of `latest` answers)."""
+    (<= query.t_to) of each of these moving objects (the check of `latest` answers).
+    Which arrival buckets it reads: with `cut` (a query that reads the archive too: worker ->
+    the last bucket the archive answers for), those after its worker's cut; else those from
+    `first_bucket` (the live window's first)."""
 
     reply: str
     tenant: str
@@ -222,6 +225,8 @@ class QueryPart(msgspec.Struct, tag="q", tag_field="t", kw_only=True):
     deadline: float
     limit: int = 0
     latest_of: list[str] | None = None
+    first_bucket: int | None = None
+    cut: dict[str, int] | None = None
 
 
 class FoundRecord(msgspec.Struct, array_like=True):

@@ -62,9 +62,9 @@ def window_of(rows: list[tuple[float, float, set[str]]], grid: Grid | None = Non
             lon=[r[0] for r in part], lat=[r[1] for r in part], ts=[NOW] * n,
             keywords=[sorted(r[2]) for r in part], text=[None] * n, props=[None] * n,
             prev=[None] * n, late=[False] * n, exit_only=[False] * n, decide_exit=[False] * n),
-            NOW)
+            int(NOW // 60))
     if MERGED["merged"]:
-        w.expire(NOW)
+        w.expire(NOW, -1)
         assert all(len(t.chunks) <= 1 for t in w.tenants.values())
     return w
 
