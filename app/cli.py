@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -157,6 +159,32 @@ def coordinator() -> None:
             server.stop()
 
 
+@app.command("query-runner")
+def query_runner(
+    id: Annotated[str, typer.Option("--id", help="runner id (unique among runners)")] = "",
+) -> None:
+    """Run a query runner: one long-lived SparkSession answering snapshot queries over the
+    archive (GEOSWARM_SPARK_MASTER, default local[*]; GEOSWARM_SPARK_REMOTE for Spark
+    Connect). Run any number: each query's archive part is taken by one."""
+    from app.core.redis import resolve_redis_url
+    from spark.runner import run_query_runner
+    from spark.session import java_available
+
+    _logging()
+    settings = get_settings()
+    if not settings.spark_remote:
+        ok, detail = java_available()
+        if not ok:
+            typer.echo(f"the query runner needs Java 17+ for Spark: {detail}", err=True)
+            raise typer.Exit(1)
+    url, server = resolve_redis_url(settings)
+    try:
+        run_query_runner(settings, id or f"r-{socket.gethostname()}-{os.getpid()}", url)
+    finally:
+        if server is not None:
+            server.stop()
+
+
 # --- dev: the whole system in one command ------------------------------------------------
 
 class Pool:
@@ -265,6 +293,7 @@ def dev(
     from app.core.migrate import upgrade_head
     from app.core.redis import async_client, env_with_redis, resolve_redis_url
     from app.pipeline.router import ensure_plan
+    from spark.session import java_available
 
     _logging()
     if workers < 1:
@@ -304,13 +333,23 @@ def dev(
         for name in names:
             pool.spawn(name, [*exe, "worker", "--id", name])
         pool.spawn("coordinator", [*exe, "coordinator"])
+        java, detail = java_available()
+        if java or settings.spark_remote:
+            pool.spawn("query-runner", [*exe, "query-runner", "--id", "r0"])
+            archive = f"  archive:   {settings.archive_path} (queries over it: query runner r0)\n"
+        else:
+            archive = (f"  archive:   {settings.archive_path}; queries reaching before the live "
+                       f"window are OFF: no Java 17+ for Spark ({detail}). Everything else "
+                       "works.\n")
+            typer.echo(archive, err=True)
         pool.spawn("api", [*exe, "api", "--host", host, "--port", str(port), "--no-migrate",
                            "--processes", str(api_processes)])
         base = f"http://{host}:{port}"
         if wait_until_ok(base + "/readyz"):
             where = f" (embedded, AOF in {settings.data_dir / 'redis'})" if server else ""
             typer.echo(f"\ngeoswarm is running at {base}\n  API docs:  {base}/docs\n"
-                       f"  admin key: {key}\n  redis:     {url}{where}\nStop with Ctrl-C.\n")
+                       f"  admin key: {key}\n  redis:     {url}{where}\n{archive}"
+                       "Stop with Ctrl-C.\n")
         else:
             typer.echo(f"geoswarm did not become ready at {base}/readyz", err=True)
         while not stop["signal"]:

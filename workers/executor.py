@@ -368,6 +368,8 @@ class Executor:
             "partitions": self.owned_ids, "forwarded": self.forwarded, "folds": self.ledger.folds,
             "knn_registrations": sum(len(s.subs) for s in self.knn.values()),
             "knn_resizes": dict(self.knnreg.resizes),
+            "archive": {"flushed": self.archiver.flushed, "lag_s": self.archiver.lag_s,
+                        "cut": self.archiver.cut},
         }
         self.redis.hset(names.WORKERS_KEY, self.id, orjson.dumps(info))
 

@@ -27,8 +27,6 @@ Row = tuple[Chunk, int]
 
 
 NO_CUT = -(1 << 62)
-# The error of a part whose archive cut is below records that left memory (see `evaluate`).
-STALE_CUT = "stale archive cut"
 
 
 def evaluate(records: TenantRecords | None, part: wire.QueryPart, worker: str,
@@ -41,7 +39,7 @@ def evaluate(records: TenantRecords | None, part: wire.QueryPart, worker: str,
         if dropped > after:
             # archived records that left memory after the query read the cut: it reads the
             # cut again (`app.pipeline.queries`)
-            return wire.QueryReply(worker=worker, error=STALE_CUT)
+            return wire.QueryReply(worker=worker, error=wire.STALE_CUT)
     else:
         after = NO_CUT if part.first_bucket is None else part.first_bucket - 1
     if records is not None:

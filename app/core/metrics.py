@@ -1,11 +1,13 @@
 """Prometheus metrics of an api process (each api process serves its own /metrics), and the
-cluster's dead letters, which it reads from Redis."""
+cluster's dead letters and archive figures, which it reads from Redis."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterable
+from typing import Any
 
+import orjson
 import redis.asyncio as aioredis
 import redis.exceptions
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram
@@ -68,3 +70,84 @@ class DeadLetters(Collector):
 
 DEAD_LETTERS = DeadLetters()
 REGISTRY.register(DEAD_LETTERS)
+
+
+class ArchiveFigures(Collector):
+    """The archive's flush and the query runners, as the workers and runners report them in
+    their heartbeats (neither serves /metrics): per worker, buckets flushed by its process,
+    how late the last one was (seconds after its bucket left the window) and its archive cut;
+    per runner, archive query parts answered, failed and running, and the rows and bytes its
+    Spark scans read; the parts waiting in the job stream. Read before each scrape."""
+
+    def __init__(self) -> None:
+        self.workers: dict[str, dict[str, Any]] = {}
+        self.runners: dict[str, dict[str, Any]] = {}
+        self.queued: int | None = None
+
+    async def refresh(self, client: aioredis.Redis, timeout: float = 2.0) -> None:
+        pipe = client.pipeline(transaction=False)
+        pipe.hgetall(names.WORKERS_KEY)
+        pipe.hgetall(names.RUNNERS_KEY)
+        pipe.xlen(names.ARCHIVE_JOBS)
+        try:
+            workers, runners, queued = await asyncio.wait_for(pipe.execute(), timeout)
+        except (redis.exceptions.RedisError, OSError, TimeoutError):
+            self.workers, self.runners, self.queued = {}, {}, None
+            return
+        self.workers = {k: doc.get("archive") or {} for k, doc in _docs(workers)}
+        self.runners = dict(_docs(runners))
+        self.queued = int(queued)
+
+    def collect(self) -> Iterable[Metric]:
+        per_worker = [
+            ("geoswarm_archive_buckets_flushed", "flushed", CounterMetricFamily,
+             "Buckets a worker process wrote to the archive"),
+            ("geoswarm_archive_flush_lag_seconds", "lag_s", GaugeMetricFamily,
+             "How long the last bucket flushed had been out of the window"),
+            ("geoswarm_archive_cut_bucket", "cut", GaugeMetricFamily,
+             "A worker's archive cut: the last arrival bucket whose files are committed")]
+        for name, field, family, doc in per_worker:
+            m = family(name, doc, labels=["worker"])
+            for w, fig in sorted(self.workers.items()):
+                if isinstance(fig.get(field), int | float):
+                    m.add_metric([w], float(fig[field]))
+            yield m
+        per_runner = [
+            ("geoswarm_archive_jobs_done", "done", CounterMetricFamily,
+             "Archive query parts a runner answered"),
+            ("geoswarm_archive_jobs_failed", "failed", CounterMetricFamily,
+             "Archive query parts a runner failed"),
+            ("geoswarm_archive_jobs_running", "running", GaugeMetricFamily,
+             "Archive query parts a runner is running"),
+            ("geoswarm_archive_rows_read", "rows_read", CounterMetricFamily,
+             "Rows a runner's Spark scans of the archive read"),
+            ("geoswarm_archive_bytes_read", "bytes_read", CounterMetricFamily,
+             "Bytes of archive files a runner's Spark scans read")]
+        for name, field, family, doc in per_runner:
+            m = family(name, doc, labels=["runner"])
+            for r, fig in sorted(self.runners.items()):
+                if isinstance(fig.get(field), int | float):
+                    m.add_metric([r], float(fig[field]))
+            yield m
+        if self.queued is not None:
+            yield GaugeMetricFamily("geoswarm_archive_jobs_queued",
+                                    "Archive query parts in the job stream", value=self.queued)
+
+    def describe(self) -> Iterable[Metric]:
+        return []
+
+
+def _docs(raw: dict[Any, Any]) -> list[tuple[Any, dict[str, Any]]]:
+    out = []
+    for key, value in raw.items():
+        try:
+            doc = orjson.loads(value)
+        except orjson.JSONDecodeError:
+            continue
+        if isinstance(doc, dict):
+            out.append((key.decode() if isinstance(key, bytes) else key, doc))
+    return out
+
+
+ARCHIVE_FIGURES = ArchiveFigures()
+REGISTRY.register(ARCHIVE_FIGURES)

@@ -45,6 +45,7 @@ from app.pipeline.cellcounts import CellCounts, HeldCounts
 from app.pipeline.cluster import entry_order, heartbeat_fresh
 from app.pipeline.records import public_record
 from app.pipeline.router import Router
+from app.pipeline.wire import STALE_CUT
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +84,15 @@ class QueryFailed(Exception):
 
 class StalePlan(Exception):
     """The plan changed after the query chose its workers: it is planned again."""
+
+
+class StaleCut(Exception):
+    """A worker dropped archived records the query expected it to hold (its archive cut
+    moved past the one the query read): the query reads the cut again."""
+
+
+ARCHIVE = names.ARCHIVE_WORKER
+ARCHIVE_JOBS_LEN = 10_000  # parts kept in the archive's job stream (answered ones are deleted)
 
 
 SortKey = Callable[[wire.FoundRecord], tuple[Any, ...]]
@@ -220,8 +230,30 @@ class QueryService:
                 await self.router.refresh()
                 index = await self.router.current_index()
                 await self.router.plans_since(0.0, index)  # the new entries of the history
-        raise QueryFailed(f"the partition plan changed {PLAN_ATTEMPTS} times while the query "
-                          "was sent; run it again")
+            except StaleCut:
+                pass  # the next attempt reads the cut again
+        raise QueryFailed(f"the partition plan or the archive changed {PLAN_ATTEMPTS} times "
+                          "while the query ran; run it again")
+
+    def reads_archive(self, query: wire.SnapshotQuery, as_of: float) -> bool:
+        """Whether a query's time range reaches before the live window."""
+        return query.t_from is not None and query.t_from < as_of - self.settings.window_s
+
+    async def archive_cut(self) -> dict[str, int]:
+        """The archive cut (`app.archive.layout`), once a query runner is there to read it."""
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hgetall(names.RUNNERS_KEY)
+        pipe.hgetall(names.ARCHIVE_CUT)
+        runners, cut = await pipe.execute()
+        now = time.time()
+        if not any(heartbeat_fresh(b, now, self.settings.worker_dead_after_s)
+                   for b in runners.values()):
+            raise QueryFailed(
+                "the time range reaches before the live window (from < "
+                f"{now - self.settings.window_s:.3f}, epoch seconds) and no query runner is "
+                "running to read the archive: start `geoswarm query-runner` (it needs Java "
+                "17+), or ask for the last window_s only")
+        return {(k.decode() if isinstance(k, bytes) else k): int(v) for k, v in cut.items()}
 
     async def _execute(self, tenant: str, query: wire.SnapshotQuery) -> dict[str, Any]:
         as_of = time.time()
@@ -232,8 +264,9 @@ class QueryService:
         everyone = (await self.targets(index, wire.SnapshotQuery(type="keyword"), as_of)
                     if query.latest else [])
         version = "" if self.router.replicated else str(index.version)
-        run = _Run(self, tenant, query, as_of, deadline, everyone, version)
-        if query.type == "count":
+        cut = await self.archive_cut() if self.reads_archive(query, as_of) else None
+        run = _Run(self, tenant, query, as_of, deadline, everyone, version, cut)
+        if query.type == "count" and cut is None:
             counted = await self.count_from_metadata(tenant, query, index, targets, run)
             COUNT_QUERIES.labels("workers" if counted is None else "metadata").inc()
             if counted is not None:
@@ -241,9 +274,16 @@ class QueryService:
         if query.type in ("count", "topk_terms"):
             replies = await run.round(targets, 0)
             verified = await run.verified(replies)
-            counted = sum(r.count for r in replies) + len(verified)
+            archived = {id(r) for reply in replies if reply.worker == ARCHIVE
+                        for r in reply.records}
+            sources = run.sources(
+                sum(r.count for r in replies if r.worker != ARCHIVE)
+                + sum(id(r) not in archived for r in verified),
+                sum(r.count for r in replies if r.worker == ARCHIVE)
+                + sum(id(r) in archived for r in verified))
+            counted = sum(sources.values())
             if query.type == "count":
-                return _count_body(counted)
+                return _count_body(counted, sources)
             terms: Counter[str] = Counter()
             for reply in replies:
                 terms.update(reply.terms)
@@ -251,9 +291,9 @@ class QueryService:
                 terms.update(rec.keywords)
             top = sorted(terms.items(), key=lambda t: (-t[1], t[0]))[:query.k]
             return {"results": [{"term": t, "count": c} for t, c in top],
-                    "sources": {"live": counted}, "truncated": len(terms) > query.k}
+                    "sources": sources, "truncated": len(terms) > query.k}
         if (query.type == "knn" and not query.latest and not self.router.replicated
-                and len(targets) > 1):
+                and len(targets) > 1 and cut is None):
             found = await self.knn_near_first(tenant, query, index, run)
             if found is not None:
                 return found
@@ -266,7 +306,11 @@ class QueryService:
             records, more, exact = merge_listed(replies, key, keep, limit)
             if exact:
                 results = [_public(r, query.type == "knn") for r in records]
-                return {"results": results, "sources": {"live": len(results)},
+                archived = {id(r) for reply in replies if reply.worker == ARCHIVE
+                            for r in reply.records}
+                n_archive = sum(id(r) in archived for r in records)
+                return {"results": results,
+                        "sources": run.sources(len(results) - n_archive, n_archive),
                         "truncated": more}
             per_worker *= 4
         raise QueryFailed(f"no exact answer after {MAX_ROUNDS} rounds (too many records of "
@@ -292,7 +336,7 @@ class QueryService:
         replies = [first]
         if others:
             near = _Run(self, tenant, msgspec.structs.replace(query, max_distance_m=reach),
-                        run.as_of, run.deadline, [], run.version)
+                        run.as_of, run.deadline, [], run.version, run.cut)
             replies += await near.round(others, query.k)
         records, more, exact = merge_listed(replies, nearest_first, lambda r: True, query.k)
         if not exact:
@@ -405,19 +449,25 @@ def whole_cells(grid: Grid, bbox: tuple[float, float, float, float]
 
 
 class _Sending(NamedTuple):
-    """Parts queued on a pipeline: their reply token, workers, and first reply's position."""
+    """Parts queued on a pipeline: their reply token, workers, and first reply's position;
+    whether the archive's part is among them."""
 
     token: str
     workers: list[str]
     first: int
+    archive: bool = False
 
 
 class _Run:
     """The rounds of one query."""
 
     def __init__(self, service: QueryService, tenant: str, query: wire.SnapshotQuery,
-                 as_of: float, deadline: float, everyone: list[str], version: str) -> None:
+                 as_of: float, deadline: float, everyone: list[str], version: str,
+                 cut: dict[str, int] | None = None) -> None:
         self.service = service
+        # with a cut, the archive answers too: its buckets up to the cut, the workers theirs
+        # after it (`app.archive.layout`)
+        self.cut = cut
         self.tenant = tenant
         self.query = query
         self.as_of = as_of
@@ -440,7 +490,9 @@ class _Run:
         part = wire.encode_entry(wire.QueryPart(
             reply=token, tenant=self.tenant, query=self.query, as_of=self.as_of,
             deadline=self.deadline, limit=limit, latest_of=latest_of,
-            first_bucket=int((self.as_of - settings.window_s) // settings.bucket_s)))
+            first_bucket=(None if self.cut is not None else
+                          int((self.as_of - settings.window_s) // settings.bucket_s)),
+            cut=self.cut))
         order = sorted(set(workers))
         first = len(pipe.command_stack)
         for w in order:
@@ -448,7 +500,14 @@ class _Run:
                        [names.worker_stream(w), names.query_stream(w), names.adopter_key(w),
                         names.PLAN_HISTORY],
                        [part, QUERY_STREAM_LEN, self.version])
-        return _Sending(token, order, first)
+        if self.cut is not None:
+            pipe.xadd(names.ARCHIVE_JOBS, {b"m": part}, maxlen=ARCHIVE_JOBS_LEN,
+                      approximate=True)
+        return _Sending(token, order, first, self.cut is not None)
+
+    def sources(self, live: int, archive: int) -> dict[str, int]:
+        """The `sources` of an answer: how many results each side gave."""
+        return {"live": live, "archive": archive} if self.cut is not None else {"live": live}
 
     async def gather(self, sending: _Sending, results: list[Any]) -> list[wire.QueryReply]:
         """Wait for the answer of every worker a part was sent to (`results`: the replies of
@@ -460,7 +519,7 @@ class _Run:
         if -1 in sent:
             # the parts sent are answered to a list nobody reads, which expires
             raise StalePlan(self.version)
-        waiting = set(order)
+        waiting = set(order) | ({ARCHIVE} if sending.archive else set())
         straight = {w for w, how in zip(order, sent, strict=True) if how == 1}
         key = names.query_reply_key(token)
         replies: list[wire.QueryReply] = []
@@ -481,6 +540,8 @@ class _Run:
                 reply = wire.decode_query_reply(raw if isinstance(raw, bytes) else raw.encode())
                 if reply.worker not in waiting:
                     continue  # a replayed answer
+                if reply.error == STALE_CUT:
+                    raise StaleCut(reply.worker)
                 if reply.error is not None:
                     raise QueryFailed(f"worker {reply.worker} failed the query: {reply.error}")
                 waiting.discard(reply.worker)
@@ -493,8 +554,20 @@ class _Run:
 
     async def _check_alive(self, waiting: set[str], straight: set[str]) -> None:
         svc = self.service
-        raw = await svc.redis.hmget(names.WORKERS_KEY, sorted(waiting))
         now = time.time()
+        if ARCHIVE in waiting:
+            # a part taken by a runner that dies is run by another (spark.runner)
+            runners = await svc.redis.hgetall(names.RUNNERS_KEY)
+            if not any(heartbeat_fresh(b, now, svc.settings.worker_dead_after_s)
+                       for b in runners.values()):
+                raise QueryFailed(
+                    "no query runner is running to answer the archive's part of the query "
+                    f"(no heartbeat for {svc.settings.worker_dead_after_s:g} s); retry when "
+                    "one is back")
+            waiting = waiting - {ARCHIVE}
+            if not waiting:
+                return
+        raw = await svc.redis.hmget(names.WORKERS_KEY, sorted(waiting))
         dead = [w for w, beat in zip(sorted(waiting), raw, strict=True)
                 if not heartbeat_fresh(beat, now, svc.settings.worker_dead_after_s)]
         # A part sent straight is answered by its worker only.
@@ -558,8 +631,9 @@ class _Run:
         return out
 
 
-def _count_body(counted: int) -> dict[str, Any]:
-    return {"results": [{"count": counted}], "sources": {"live": counted}, "truncated": False}
+def _count_body(counted: int, sources: dict[str, int] | None = None) -> dict[str, Any]:
+    return {"results": [{"count": counted}], "sources": sources or {"live": counted},
+            "truncated": False}
 
 
 def _public(r: wire.FoundRecord, with_distance: bool) -> dict[str, Any]:

@@ -229,6 +229,11 @@ class QueryPart(msgspec.Struct, tag="q", tag_field="t", kw_only=True):
     cut: dict[str, int] | None = None
 
 
+# `QueryReply.error` of a part whose archive cut lies below records its worker dropped from
+# memory (they left after the query read the cut): the query reads the cut again.
+STALE_CUT = "stale archive cut"
+
+
 class FoundRecord(msgspec.Struct, array_like=True):
     """A record in a query reply: the public fields, whether it is a moving object's record
     (`moving`), when it arrived (`at`) and its distance to a knn query's point."""

@@ -1,0 +1,272 @@
+"""The query runner (`geoswarm query-runner`): one long-lived SparkSession that answers the
+archive's share of snapshot queries.
+
+The api sends a query's archive part (`wire.QueryPart` with the archive cut it read) to the
+stream `names.ARCHIVE_JOBS`; runners read it in one consumer group, so each part is taken by
+one runner, which pushes its `wire.QueryReply` (worker `names.ARCHIVE_WORKER`) to the part's
+reply list, as a worker does. A runner beats in `names.RUNNERS_KEY`; the parts a runner took
+and did not acknowledge when its heartbeat went stale are claimed by another runner and run
+again (the api takes the first answer of each part). Parts past their deadline are dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import orjson
+import pyarrow.parquet as pq
+import redis
+from pyspark.sql import DataFrame, SparkSession
+
+from app.archive.layout import CELLS_META, ArchiveStore, BucketFile, visible
+from app.core.config import Settings
+from app.geo.aqwa import CountGrid, knn_radius_m
+from app.pipeline import names, wire
+from app.pipeline.cluster import heartbeat_fresh
+from app.pipeline.router import grid_of
+from spark.archive_query import Radius, evaluate
+from spark.scanmetrics import scans_since
+
+log = logging.getLogger(__name__)
+
+READ_COUNT = 8
+BLOCK_MS = 1000
+CLAIM_EVERY_S = 2.0
+REPLY_TTL_S = 120
+
+SPARK_SCHEMA = ("id string, lon double, lat double, ts double, at double, moving boolean, "
+                "keywords array<string>, text string, props string, cell long, z long, "
+                "bucket long, worker string")
+
+
+def read_cuts(client: Any) -> dict[str, int]:
+    return {(k.decode() if isinstance(k, bytes) else k): int(v)
+            for k, v in client.hgetall(names.ARCHIVE_CUT).items()}
+
+
+@dataclass
+class TenantCounts:
+    """The archive's count grid of one tenant (AQWA §4.2): the sum of the per-cell counts its
+    visible files carry, added to as files appear, rebuilt when one goes."""
+
+    grid: CountGrid
+    files: set[str] = field(default_factory=set)
+
+
+class Archive:
+    """What a runner reads: the store, the visible files of each query, their count grid."""
+
+    def __init__(self, settings: Settings, spark: SparkSession) -> None:
+        self.settings = settings
+        self.spark = spark
+        self.store = ArchiveStore(settings.archive_path)
+        self.grid = grid_of(settings)
+        self.grids: dict[str, TenantCounts] = {}
+        self._cells: dict[str, dict[int, int]] = {}
+
+    def files(self, tenant: str, cut: dict[str, int]) -> list[BucketFile]:
+        return visible(self.store.bucket_files(tenant), cut)
+
+    def frame(self, files: list[BucketFile]) -> DataFrame | None:
+        if not files:
+            return None
+        return self.spark.read.schema(SPARK_SCHEMA).parquet(
+            *[self.store.uri(f.path) for f in files])
+
+    def counts(self, tenant: str, files: list[BucketFile]) -> CountGrid:
+        """The count grid of these files of a tenant (each file's footer read once)."""
+        held = self.grids.get(tenant)
+        paths = {f.path for f in files}
+        if held is None or not held.files <= paths:
+            held = self.grids[tenant] = TenantCounts(CountGrid(self.grid.nx, self.grid.ny))
+        for path in sorted(paths - held.files):
+            cells = self._cells.get(path)
+            if cells is None:
+                meta = pq.read_schema(path, filesystem=self.store.fs).metadata or {}
+                raw = orjson.loads(meta.get(CELLS_META, b"{}"))
+                cells = self._cells[path] = {int(c): int(n) for c, n in raw.items()}
+            if cells:
+                held.grid.add(np.fromiter(cells.keys(), dtype=np.int64, count=len(cells)),
+                              np.fromiter(cells.values(), dtype=np.int64, count=len(cells)))
+            held.files.add(path)
+        return held.grid
+
+    def radius(self, tenant: str, files: list[BucketFile]) -> Radius:
+        """AQWA §5's radius for a knn over these files (None: fewer than k records)."""
+        counts = self.counts(tenant, files)
+
+        def radius(lon: float, lat: float, k: int) -> float | None:
+            return knn_radius_m(counts, self.grid, lon, lat, k)
+
+        return radius
+
+    def answer(self, part: wire.QueryPart) -> wire.QueryReply:
+        files = self.files(part.tenant, part.cut or {})
+        radius = (self.radius(part.tenant, files)
+                  if part.query.type == "knn" and part.latest_of is None and files else None)
+        return evaluate(self.spark, self.frame(files), part, radius)
+
+
+class QueryRunner:
+    """One query runner process (see the module docstring)."""
+
+    def __init__(self, settings: Settings, runner_id: str, redis_url: str,
+                 spark: Callable[[], SparkSession]) -> None:
+        self.settings = settings
+        self.id = runner_id
+        self.redis: Any = redis.Redis.from_url(redis_url, socket_timeout=30)
+        self.spark = spark
+        self.archive: Archive | None = None
+        self.stopping = False
+        self.started = time.time()
+        self.done = 0
+        self.failed = 0
+        self.running = 0
+        self.rows_read = 0
+        self.bytes_read = 0
+        self.last_execution = -1
+        self.last_claim = 0.0
+
+    def run(self) -> None:
+        signal.signal(signal.SIGTERM, self._on_signal)
+        signal.signal(signal.SIGINT, self._on_signal)
+        try:
+            self.redis.xgroup_create(names.ARCHIVE_JOBS, names.RUNNER_GROUP, id="0",
+                                     mkstream=True)
+        except redis.ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+        # beating while Spark starts (seconds): the parts sent meanwhile wait in the stream
+        self._heartbeat()
+        threading.Thread(target=self._heartbeat_loop, daemon=True).start()
+        self.archive = Archive(self.settings, self.spark())
+        log.info("query runner %s ready (pid %d), archive at %s", self.id, os.getpid(),
+                 self.archive.store.url)
+        # parts this runner took before a restart under the same id
+        self._run_entries(self._pending_of([self.id]))
+        while not self.stopping:
+            try:
+                if time.monotonic() - self.last_claim > CLAIM_EVERY_S:
+                    self.last_claim = time.monotonic()
+                    self._run_entries(self._orphans())
+                got = self.redis.xreadgroup(names.RUNNER_GROUP, self.id,
+                                            {names.ARCHIVE_JOBS: ">"}, count=READ_COUNT,
+                                            block=BLOCK_MS)
+                for _, entries in got or []:
+                    self._run_entries(entries)
+            except redis.ConnectionError as exc:
+                log.warning("query runner %s: Redis unavailable (%s); retrying", self.id, exc)
+                time.sleep(1)
+        self.redis.hdel(names.RUNNERS_KEY, self.id)
+
+    def _on_signal(self, *_: Any) -> None:
+        self.stopping = True
+
+    def _heartbeat(self) -> None:
+        info = {"id": self.id, "pid": os.getpid(), "host": socket.gethostname(),
+                "heartbeat": time.time(), "started": self.started, "done": self.done,
+                "failed": self.failed, "running": self.running, "rows_read": self.rows_read,
+                "bytes_read": self.bytes_read}
+        self.redis.hset(names.RUNNERS_KEY, self.id, orjson.dumps(info))
+
+    def _heartbeat_loop(self) -> None:
+        while not self.stopping:
+            try:
+                self._heartbeat()
+            except redis.RedisError:
+                pass
+            time.sleep(self.settings.worker_heartbeat_s)
+
+    def _pending_of(self, consumers: list[str]) -> list[tuple[bytes, dict[bytes, bytes]]]:
+        """Claim the parts these consumers took and did not acknowledge."""
+        out: list[tuple[bytes, dict[bytes, bytes]]] = []
+        for consumer in consumers:
+            rows = self.redis.xpending_range(names.ARCHIVE_JOBS, names.RUNNER_GROUP, min="-",
+                                             max="+", count=1000, consumername=consumer)
+            ids = [r["message_id"] for r in rows]
+            if ids:
+                out += [e for e in self.redis.xclaim(names.ARCHIVE_JOBS, names.RUNNER_GROUP,
+                                                     self.id, 0, ids) if e[1]]
+        return out
+
+    def _orphans(self) -> list[tuple[bytes, dict[bytes, bytes]]]:
+        """Parts taken by runners whose heartbeat is stale (they died running them)."""
+        summary = self.redis.xpending(names.ARCHIVE_JOBS, names.RUNNER_GROUP)
+        consumers = [c["name"].decode() if isinstance(c["name"], bytes) else c["name"]
+                     for c in (summary or {}).get("consumers") or []]
+        others = [c for c in consumers if c != self.id]
+        if not others:
+            return []
+        beats = self.redis.hmget(names.RUNNERS_KEY, others)
+        now = time.time()
+        dead = [c for c, b in zip(others, beats, strict=True)
+                if not heartbeat_fresh(b, now, self.settings.worker_dead_after_s)]
+        if dead:
+            log.info("query runner %s takes over the parts of %s", self.id, dead)
+        return self._pending_of(dead)
+
+    def _run_entries(self, entries: list[tuple[bytes, dict[bytes, bytes]]]) -> None:
+        for eid, fields in entries:
+            try:
+                part = wire.decode_entry(fields[b"m"])
+                if not isinstance(part, wire.QueryPart):
+                    raise ValueError(f"a {type(part).__name__}, not a query part")
+            except (KeyError, ValueError) as exc:
+                log.error("query runner %s: undecodable part %s: %s", self.id, eid, exc)
+                self.redis.xack(names.ARCHIVE_JOBS, names.RUNNER_GROUP, eid)
+                continue
+            if time.time() <= part.deadline:
+                self._answer(part)
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.xack(names.ARCHIVE_JOBS, names.RUNNER_GROUP, eid)
+            pipe.xdel(names.ARCHIVE_JOBS, eid)
+            pipe.execute()
+
+    def _answer(self, part: wire.QueryPart) -> None:
+        assert self.archive is not None
+        self.running += 1
+        started = time.monotonic()
+        try:
+            reply = self.archive.answer(part)
+            self.done += 1
+        except Exception as exc:  # a query must not take the runner down
+            log.exception("query runner %s: archive query failed", self.id)
+            self.failed += 1
+            reply = wire.QueryReply(worker=names.ARCHIVE_WORKER,
+                                    error=f"{type(exc).__name__}: {exc}")
+        finally:
+            self.running -= 1
+        scans = scans_since(self.archive.spark, self.last_execution)
+        if scans is not None:
+            self.last_execution = scans.last
+            self.rows_read += scans.rows
+            self.bytes_read += scans.bytes
+            log.info("archive part of %s (%s) answered in %.3f s: %d rows, %d bytes in %d "
+                     "files read", part.tenant, part.query.type, time.monotonic() - started,
+                     scans.rows, scans.bytes, scans.files)
+        key = names.query_reply_key(part.reply)
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.rpush(key, wire.encode_query_reply(reply))
+        pipe.expire(key, REPLY_TTL_S)
+        pipe.execute()
+
+
+def run_query_runner(settings: Settings, runner_id: str, redis_url: str) -> None:
+    from spark.session import get_spark
+
+    runner = QueryRunner(settings, runner_id, redis_url,
+                         lambda: get_spark(settings, app_name=f"geoswarm-query-runner-{runner_id}"))
+    try:
+        runner.run()
+    finally:
+        if runner.archive is not None:
+            runner.archive.spark.stop()
