@@ -23,6 +23,9 @@ if TYPE_CHECKING:
 app = typer.Typer(help="geoswarm: real-time location publish/subscribe", no_args_is_help=True)
 keys_app = typer.Typer(help="API keys", no_args_is_help=True)
 app.add_typer(keys_app, name="keys")
+archive_app = typer.Typer(help="the Parquet archive of records that left the live window",
+                          no_args_is_help=True)
+app.add_typer(archive_app, name="archive")
 
 log = logging.getLogger("geoswarm")
 
@@ -183,6 +186,43 @@ def query_runner(
     finally:
         if server is not None:
             server.stop()
+
+
+@archive_app.command("compact")
+def archive_compact(
+    tenant: Annotated[list[str] | None, typer.Option(
+        help="compact this tenant's archive (repeatable; default: every tenant)")] = None,
+    min_records: Annotated[int | None, typer.Option(
+        help="no partition file under this many records (default "
+             "GEOSWARM_ARCHIVE_MIN_FILE_RECORDS)")] = None,
+) -> None:
+    """Rewrite the archive into AQWA's query-aware k-d partitions (a Spark job). Queries keep
+    running meanwhile; each sees the old layout or the new one."""
+    from app.core.redis import resolve_redis_url, sync_client
+    from spark.compact import compact_all
+    from spark.session import get_spark, java_available
+
+    _logging()
+    settings = get_settings()
+    if not settings.spark_remote:
+        ok, detail = java_available()
+        if not ok:
+            typer.echo(f"compaction needs Java 17+ for Spark: {detail}", err=True)
+            raise typer.Exit(1)
+    url, server = resolve_redis_url(settings)
+    spark = get_spark(settings, app_name="geoswarm-archive-compact")
+    try:
+        done = compact_all(spark, settings, sync_client(url), tenant or None, min_records)
+    finally:
+        spark.stop()
+        if server is not None:
+            server.stop()
+    for d in done:
+        typer.echo(f"{d.tenant}: layout v{d.version}, {d.partitions} partitions ({d.split} "
+                   f"split), {d.records} records, {d.moved} written, query cost "
+                   f"{d.cost_before:.4g} -> {d.cost_after:.4g}, {d.seconds:.1f} s")
+    if not done:
+        typer.echo("nothing to compact")
 
 
 # --- dev: the whole system in one command ------------------------------------------------

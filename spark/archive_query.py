@@ -44,6 +44,9 @@ WORLD_M = 2.1e7  # beyond half the circumference every point is within reach
 FIRST_RADIUS_M = 1_000.0  # knn without a count grid (or past it): then 4x as far
 
 Radius = Callable[[float, float, int], float | None]
+Cells = tuple[int, int, int, int]
+Frames = Callable[[Cells | None], DataFrame | None]
+Region = Callable[[wire.SnapshotQuery], Cells | None]
 
 
 def spark_haversine(lon: float, lat: float) -> Column:
@@ -156,11 +159,19 @@ def newest_first() -> list[Column]:
     return [F.col("ts").desc(), F.col("id").asc(), F.col("at").desc()]
 
 
-def evaluate(spark: SparkSession, frame: DataFrame | None, part: wire.QueryPart,
-             radius: Radius | None = None) -> wire.QueryReply:
-    """The archive's reply to `part` over `frame` (the visible files' rows; None: none)."""
+def evaluate(spark: SparkSession, frames: Frames, part: wire.QueryPart,
+             radius: Radius | None = None, region: Region | None = None) -> wire.QueryReply:
+    """The archive's reply to `part`. `frames(cells)`: the rows of the files that may hold
+    records in these grid cells (None: every file; None back: no file); `region(query)`: the
+    cells a query's region covers; `radius`: a knn's first radius (AQWA §5)."""
     worker = names.ARCHIVE_WORKER
     q = part.query
+    # `latest` ranks an object's records wherever they are: every file
+    cells = None if (q.latest or region is None or part.latest_of is not None
+                     or q.type == "knn") else region(q)
+    if q.type == "knn" and not q.latest:
+        return _nearest(spark, frames, part, radius, region)
+    frame = frames(cells)
     if frame is None:
         return wire.QueryReply(worker=worker)
     df = transform_time(frame, q, part.as_of)
@@ -176,7 +187,7 @@ def evaluate(spark: SparkSession, frame: DataFrame | None, part: wire.QueryPart,
         df = transform_latest(df)
     df = transform_keywords(df, q)
     if q.type == "knn":
-        return _nearest(df, part, radius)
+        return _nearest(spark, lambda _cells: df, part, radius, None, prepared=True)
     if q.type in ("range", "keyword"):
         return _listed(transform_region(df, q), part)
     return _counted(df, part)
@@ -251,9 +262,11 @@ def _listed(df: DataFrame, part: wire.QueryPart) -> wire.QueryReply:
                            truncated=bool(limit) and len(out) > limit)
 
 
-def _nearest(df: DataFrame, part: wire.QueryPart, radius: Radius | None) -> wire.QueryReply:
+def _nearest(spark: SparkSession, frames: Frames, part: wire.QueryPart, radius: Radius | None,
+             region: Region | None, prepared: bool = False) -> wire.QueryReply:
     """knn: the `limit` nearest rows by (distance, id, newest, latest arrival), `truncated`
-    when one more lies beyond (as `workers.snapshot._nearest`)."""
+    when one more lies beyond (as `workers.snapshot._nearest`). Each radius reads the files
+    of the cells its circle covers (`prepared`: `frames` gives rows already filtered)."""
     q = part.query
     assert q.point is not None
     px, py = q.point
@@ -266,6 +279,16 @@ def _nearest(df: DataFrame, part: wire.QueryPart, radius: Radius | None) -> wire
     while True:
         world = r >= WORLD_M
         last = world or (cap is not None and r >= cap)
+        cells = None if world or region is None else region(
+            wire.SnapshotQuery(type="range", circle=(px, py, r)))
+        frame = frames(cells)
+        if frame is None:
+            if last:
+                found: list[wire.FoundRecord] = []
+                break
+            r = r * 4 if cap is None else min(r * 4, cap)
+            continue
+        df = frame if prepared else transform_keywords(transform_time(frame, q, part.as_of), q)
         scan = within(df, px, py, r).withColumn("_d", spark_haversine(px, py))
         rows = fetch(scan, [F.col("_d").asc(), F.col("id").asc(), F.col("ts").desc(),
                             F.col("at").desc()], limit + 1 + EXTRA_ROWS)

@@ -27,9 +27,10 @@ import pyarrow.parquet as pq
 import redis
 from pyspark.sql import DataFrame, SparkSession
 
-from app.archive.layout import CELLS_META, ArchiveStore, BucketFile, visible
+from app.archive.layout import CELLS_META, ArchiveStore, Layout, read_layout
 from app.core.config import Settings
 from app.geo.aqwa import CountGrid, knn_radius_m
+from app.geo.geometry import circle_bbox
 from app.pipeline import names, wire
 from app.pipeline.cluster import heartbeat_fresh
 from app.pipeline.router import grid_of
@@ -42,6 +43,7 @@ READ_COUNT = 8
 BLOCK_MS = 1000
 CLAIM_EVERY_S = 2.0
 REPLY_TTL_S = 120
+QUERY_LOG_LEN = 100_000  # the regions of the last archive queries kept per tenant
 
 SPARK_SCHEMA = ("id string, lon double, lat double, ts double, at double, moving boolean, "
                 "keywords array<string>, text string, props string, cell long, z long, "
@@ -55,15 +57,20 @@ def read_cuts(client: Any) -> dict[str, int]:
 
 @dataclass
 class TenantCounts:
-    """The archive's count grid of one tenant (AQWA §4.2): the sum of the per-cell counts its
-    visible files carry, added to as files appear, rebuilt when one goes."""
+    """The archive's count grid of one tenant (AQWA §4.2): the compacted layout's grid plus
+    the per-cell counts its unabsorbed bucket files carry, added to as files appear, rebuilt
+    when the layout changes or a file goes."""
 
     grid: CountGrid
+    version: int | None
     files: set[str] = field(default_factory=set)
 
 
+Cells = tuple[int, int, int, int]
+
+
 class Archive:
-    """What a runner reads: the store, the visible files of each query, their count grid."""
+    """What a runner reads: the store, each query's layout and files, the count grid."""
 
     def __init__(self, settings: Settings, spark: SparkSession) -> None:
         self.settings = settings
@@ -73,21 +80,23 @@ class Archive:
         self.grids: dict[str, TenantCounts] = {}
         self._cells: dict[str, dict[int, int]] = {}
 
-    def files(self, tenant: str, cut: dict[str, int]) -> list[BucketFile]:
-        return visible(self.store.bucket_files(tenant), cut)
-
-    def frame(self, files: list[BucketFile]) -> DataFrame | None:
-        if not files:
+    def frame(self, paths: list[str]) -> DataFrame | None:
+        if not paths:
             return None
         return self.spark.read.schema(SPARK_SCHEMA).parquet(
-            *[self.store.uri(f.path) for f in files])
+            *[self.store.uri(p) for p in paths])
 
-    def counts(self, tenant: str, files: list[BucketFile]) -> CountGrid:
-        """The count grid of these files of a tenant (each file's footer read once)."""
+    def counts(self, tenant: str, layout: Layout) -> CountGrid:
+        """The count grid of a layout of a tenant (each file's footer read once)."""
         held = self.grids.get(tenant)
-        paths = {f.path for f in files}
-        if held is None or not held.files <= paths:
-            held = self.grids[tenant] = TenantCounts(CountGrid(self.grid.nx, self.grid.ny))
+        version = layout.manifest.version if layout.manifest is not None else None
+        paths = {f.path for f in layout.buckets}
+        if held is None or held.version != version or not held.files <= paths:
+            grid = CountGrid(self.grid.nx, self.grid.ny)
+            if layout.manifest is not None and layout.manifest.cells is not None:
+                with self.store.fs.open_input_file(layout.manifest.cells) as f:
+                    grid = CountGrid.from_array(np.load(f))
+            held = self.grids[tenant] = TenantCounts(grid, version)
         for path in sorted(paths - held.files):
             cells = self._cells.get(path)
             if cells is None:
@@ -100,20 +109,33 @@ class Archive:
             held.files.add(path)
         return held.grid
 
-    def radius(self, tenant: str, files: list[BucketFile]) -> Radius:
-        """AQWA §5's radius for a knn over these files (None: fewer than k records)."""
-        counts = self.counts(tenant, files)
+    def region(self, q: wire.SnapshotQuery) -> Cells | None:
+        """The global grid cells a query's region covers (None: no region)."""
+        if q.bbox is not None:
+            return self.grid.cell_range(q.bbox)
+        if q.circle is not None:
+            return self.grid.cell_range(circle_bbox(*q.circle))
+        return None
 
-        def radius(lon: float, lat: float, k: int) -> float | None:
-            return knn_radius_m(counts, self.grid, lon, lat, k)
+    def answer(self, part: wire.QueryPart) -> tuple[wire.QueryReply, Cells | None]:
+        """The archive's reply to a part, and the cells it read (None: all)."""
+        layout = read_layout(self.store, part.tenant, part.cut or {})
+        read: list[Cells | None] = []
 
-        return radius
+        def frames(cells: Cells | None) -> DataFrame | None:
+            read.append(cells)
+            return self.frame(layout.paths(cells))
 
-    def answer(self, part: wire.QueryPart) -> wire.QueryReply:
-        files = self.files(part.tenant, part.cut or {})
-        radius = (self.radius(part.tenant, files)
-                  if part.query.type == "knn" and part.latest_of is None and files else None)
-        return evaluate(self.spark, self.frame(files), part, radius)
+        radius: Radius | None = None
+        if part.query.type == "knn" and part.latest_of is None:
+            counts = self.counts(part.tenant, layout)
+
+            def radius(lon: float, lat: float, k: int) -> float | None:
+                return knn_radius_m(counts, self.grid, lon, lat, k)
+
+        reply = evaluate(self.spark, frames, part, radius, self.region)
+        cells = None if not read or any(c is None for c in read) else read[-1]
+        return reply, cells
 
 
 class QueryRunner:
@@ -149,6 +171,8 @@ class QueryRunner:
         self._heartbeat()
         threading.Thread(target=self._heartbeat_loop, daemon=True).start()
         self.archive = Archive(self.settings, self.spark())
+        if self.settings.archive_compact_s > 0:
+            threading.Thread(target=self._compact_loop, daemon=True).start()
         log.info("query runner %s ready (pid %d), archive at %s", self.id, os.getpid(),
                  self.archive.store.url)
         # parts this runner took before a restart under the same id
@@ -167,6 +191,20 @@ class QueryRunner:
                 log.warning("query runner %s: Redis unavailable (%s); retrying", self.id, exc)
                 time.sleep(1)
         self.redis.hdel(names.RUNNERS_KEY, self.id)
+
+    def _compact_loop(self) -> None:
+        """AQWA's compaction on a schedule (one runner at a time per tenant: a lock), beside
+        the queries, which keep running on the old layout until the switch."""
+        from spark.compact import compact_all
+
+        while not self.stopping:
+            time.sleep(self.settings.archive_compact_s)
+            if self.stopping or self.archive is None:
+                return
+            try:
+                compact_all(self.archive.spark, self.settings, self.redis)
+            except Exception:  # the next round tries again; queries go on
+                log.exception("query runner %s: scheduled compaction failed", self.id)
 
     def _on_signal(self, *_: Any) -> None:
         self.stopping = True
@@ -231,13 +269,26 @@ class QueryRunner:
             pipe.xdel(names.ARCHIVE_JOBS, eid)
             pipe.execute()
 
+    def _log_query(self, part: wire.QueryPart, cells: Cells | None) -> None:
+        """AQWA's query log: the region (grid cells) each archive query read, for compaction
+        (`spark.compact`)."""
+        grid = self.archive.grid if self.archive is not None else None
+        if grid is None:
+            return
+        x0, y0, x1, y1 = cells if cells is not None else (0, 0, grid.nx - 1, grid.ny - 1)
+        self.redis.xadd(names.archive_query_log(part.tenant),
+                        {b"r": f"{x0},{y0},{x1},{y1}".encode(), b"t": str(time.time()).encode()},
+                        maxlen=QUERY_LOG_LEN, approximate=True)
+
     def _answer(self, part: wire.QueryPart) -> None:
         assert self.archive is not None
         self.running += 1
         started = time.monotonic()
         try:
-            reply = self.archive.answer(part)
+            reply, cells = self.archive.answer(part)
             self.done += 1
+            if part.latest_of is None:
+                self._log_query(part, cells)
         except Exception as exc:  # a query must not take the runner down
             log.exception("query runner %s: archive query failed", self.id)
             self.failed += 1

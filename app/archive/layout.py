@@ -12,6 +12,19 @@ prune by space as well as by time. Each file carries its records' number per glo
 in its key-value metadata (`geoswarm.cells`): the archive's count grid (AQWA §4.2) is the sum
 of its files' without reading a row.
 
+`geoswarm archive compact` (AQWA, `spark.compact`) rewrites a tenant's records into
+query-aware k-d partitions of the global grid's cells:
+
+    <root>/compact/<tenant>/v<N>/...parquet      the partitions' files
+    <root>/compact/<tenant>/v<N>/_manifest.json  the layout (`Manifest`)
+    <root>/compact/<tenant>/CURRENT              "v<N>": the layout queries read
+
+A manifest lists each partition's cell rectangle and files, and `absorbed`: per worker, the
+last bucket whose files it holds. Queries read the current manifest's partitions that overlap
+their region and the bucket files it has not absorbed; replacing CURRENT (a rename) switches
+every later query to the new layout at once, and the files of the old one stay for a grace
+period for the queries that started before.
+
 A file's name is a function of (tenant, bucket, worker): writing a bucket again after a crash
 writes the same file, and a file is written under a temporary name and renamed into place,
 so a reader sees it whole or not at all. Which buckets a query may read is the archive cut
@@ -24,15 +37,20 @@ while, and a query reading both sides takes each bucket from one side only (the 
 from __future__ import annotations
 
 import datetime as dt
-from dataclasses import dataclass
+import secrets
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import quote, unquote
 
 import numpy as np
+import orjson
 import pyarrow as pa
 import pyarrow.fs as pafs
 
 RECORDS = "records"
+COMPACT = "compact"
+CURRENT = "CURRENT"
+MANIFEST = "_manifest.json"
 CELLS_META = b"geoswarm.cells"
 ROW_GROUP_ROWS = 16_384  # small row groups: their min/max prune finely
 
@@ -79,6 +97,63 @@ class BucketFile:
     size: int
 
 
+@dataclass
+class Partition:
+    """A k-d partition of a compacted layout: its cells (x0, y0, x1, y1, inclusive), files,
+    records, bytes, and the (faded) number of logged queries overlapping it when it was laid
+    out (AQWA's Oq(p))."""
+
+    rect: tuple[int, int, int, int]
+    files: list[str]
+    records: int
+    bytes: int = 0
+    queries: float = 0.0
+
+    def overlaps(self, cells: tuple[int, int, int, int] | None) -> bool:
+        if cells is None:
+            return True
+        x0, y0, x1, y1 = self.rect
+        return not (cells[2] < x0 or cells[0] > x1 or cells[3] < y0 or cells[1] > y1)
+
+
+@dataclass
+class Manifest:
+    """A compacted layout of one tenant's archive (see the module docstring)."""
+
+    version: int
+    created: float
+    grid: tuple[int, int]  # the global grid's nx, ny the rectangles are cells of
+    partitions: list[Partition]
+    absorbed: dict[str, int] = field(default_factory=dict)
+    cells: str | None = None  # the count grid (.npy of (ny, nx) int64), path in the store
+
+    def to_json(self) -> bytes:
+        return orjson.dumps({
+            "version": self.version, "created": self.created, "grid": list(self.grid),
+            "absorbed": self.absorbed, "cells": self.cells,
+            "partitions": [{"rect": list(p.rect), "files": p.files, "records": p.records,
+                            "bytes": p.bytes, "queries": p.queries}
+                           for p in self.partitions]})
+
+    @staticmethod
+    def from_json(raw: bytes) -> Manifest:
+        doc = orjson.loads(raw)
+        return Manifest(
+            version=int(doc["version"]), created=float(doc["created"]),
+            grid=(int(doc["grid"][0]), int(doc["grid"][1])),
+            partitions=[Partition(rect=(int(p["rect"][0]), int(p["rect"][1]),
+                                        int(p["rect"][2]), int(p["rect"][3])),
+                                  files=list(p["files"]), records=int(p["records"]),
+                                  bytes=int(p.get("bytes", 0)),
+                                  queries=float(p.get("queries", 0.0)))
+                        for p in doc["partitions"]],
+            absorbed={str(k): int(v) for k, v in doc.get("absorbed", {}).items()},
+            cells=doc.get("cells"))
+
+    def covers(self, f: BucketFile) -> bool:
+        return f.bucket <= self.absorbed.get(f.worker, -(1 << 62))
+
+
 class ArchiveStore:
     """The archive's filesystem and its paths (a local directory or any pyarrow URI)."""
 
@@ -104,10 +179,59 @@ class ArchiveStore:
         day = dt.datetime.fromtimestamp(bucket * bucket_s, dt.UTC).strftime("%Y-%m-%d")
         return f"{self.tenant_dir(tenant)}/{day}/b{bucket}-{quote(worker, safe='')}.parquet"
 
+    def compact_dir(self, tenant: str) -> str:
+        return f"{self.root}/{COMPACT}/{quote(tenant, safe='')}"
+
+    def version_dir(self, tenant: str, version: int) -> str:
+        return f"{self.compact_dir(tenant)}/v{version}"
+
+    def read_bytes(self, path: str) -> bytes | None:
+        try:
+            with self.fs.open_input_stream(path) as f:
+                return bytes(f.read())
+        except FileNotFoundError:
+            return None
+
+    def write_bytes(self, path: str, data: bytes) -> None:
+        """Write a small file whole: a temporary file renamed into place."""
+        parent = path.rsplit("/", 1)[0]
+        self.fs.create_dir(parent, recursive=True)
+        tmp = f"{parent}/.tmp-{secrets.token_hex(8)}"
+        with self.fs.open_output_stream(tmp) as out:
+            out.write(data)
+        self.fs.move(tmp, path)
+
+    def current_version(self, tenant: str) -> int | None:
+        raw = self.read_bytes(f"{self.compact_dir(tenant)}/{CURRENT}")
+        if raw is None:
+            return None
+        text = raw.decode().strip()
+        return int(text[1:]) if text.startswith("v") and text[1:].isdigit() else None
+
+    def manifest(self, tenant: str, version: int | None = None) -> Manifest | None:
+        """The tenant's current compacted layout (or a given version), or None."""
+        if version is None:
+            version = self.current_version(tenant)
+            if version is None:
+                return None
+        raw = self.read_bytes(f"{self.version_dir(tenant, version)}/{MANIFEST}")
+        return None if raw is None else Manifest.from_json(raw)
+
+    def switch(self, tenant: str, manifest: Manifest) -> None:
+        """Write a layout's manifest and make it the current one (the rename of CURRENT is the
+        moment every later query reads it)."""
+        self.write_bytes(f"{self.version_dir(tenant, manifest.version)}/{MANIFEST}",
+                         manifest.to_json())
+        self.write_bytes(f"{self.compact_dir(tenant)}/{CURRENT}", f"v{manifest.version}".encode())
+
     def tenants(self) -> list[str]:
-        base = f"{self.root}/{RECORDS}"
-        info = self.fs.get_file_info(pafs.FileSelector(base, allow_not_found=True))
-        return sorted(unquote(i.base_name) for i in info if i.type == pafs.FileType.Directory)
+        """Tenants with bucket files or a compacted layout."""
+        found: set[str] = set()
+        for kind in (RECORDS, COMPACT):
+            sel = pafs.FileSelector(f"{self.root}/{kind}", allow_not_found=True)
+            found |= {unquote(i.base_name) for i in self.fs.get_file_info(sel)
+                      if i.type == pafs.FileType.Directory}
+        return sorted(found)
 
     def bucket_files(self, tenant: str) -> list[BucketFile]:
         """The committed bucket files of a tenant (temporary files are not listed)."""
@@ -127,5 +251,32 @@ class ArchiveStore:
 
 
 def visible(files: list[BucketFile], cut: dict[str, int]) -> list[BucketFile]:
-    """The files a query reads: those of buckets at or below their worker's cut."""
+    """The bucket files a query may read: those of buckets at or below their worker's cut."""
     return [f for f in files if f.bucket <= cut.get(f.worker, -(1 << 62))]
+
+
+@dataclass
+class Layout:
+    """What one query reads of a tenant's archive: the current compacted layout (if any) and
+    the visible bucket files it has not absorbed."""
+
+    manifest: Manifest | None
+    buckets: list[BucketFile]
+
+    def paths(self, cells: tuple[int, int, int, int] | None = None) -> list[str]:
+        """The files holding the records in these cells (all with None)."""
+        out = [f.path for f in self.buckets]
+        if self.manifest is not None:
+            out += [path for p in self.manifest.partitions if p.overlaps(cells)
+                    for path in p.files]
+        return out
+
+
+def read_layout(store: ArchiveStore, tenant: str, cut: dict[str, int]) -> Layout:
+    """The layout a query reads: the manifest first, then the bucket files (so that a switch
+    in between leaves this query on the old layout, whose files stay for a grace period)."""
+    manifest = store.manifest(tenant)
+    files = visible(store.bucket_files(tenant), cut)
+    if manifest is not None:
+        files = [f for f in files if not manifest.covers(f)]
+    return Layout(manifest, files)

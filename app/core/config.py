@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Annotated, Literal
 from urllib.parse import urlsplit
 
-from pydantic import field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 WORLD = (-180.0, -90.0, 180.0, 90.0)
@@ -54,6 +54,16 @@ class Settings(BaseSettings):
 
     # --- archive and Spark ------------------------------------------------------
     archive_url: str | None = None  # unset → data_dir/archive
+    # AQWA compaction (spark.compact): no partition file under this many records; a split
+    # must save more than this many times its records in query cost (the rewrite, read and
+    # written once); logged queries weigh half as much after each half-life; the query
+    # runners compact every archive_compact_s (0: only `geoswarm archive compact`); what a
+    # layout replaced is deleted this long after it (queries on the old layout finish first)
+    archive_min_file_records: int = Field(default=100_000, ge=1)
+    archive_rewrite_cost: float = Field(default=2.0, ge=0)
+    archive_query_half_life_s: float = Field(default=86_400.0, gt=0)
+    archive_compact_s: float = Field(default=3600.0, ge=0)
+    archive_compact_grace_s: float = Field(default=600.0, ge=0)
     spark_master: str = "local[*]"
     spark_remote: str | None = None
 

@@ -177,6 +177,17 @@ RUNNERS_KEY = "gs:runners"  # hash runner id -> JSON heartbeat {pid, host, heart
 ARCHIVE_WORKER = "archive"  # the `worker` of the query runners' replies
 
 
+def archive_query_log(tenant: str) -> str:
+    """Stream of the regions (grid cells "x0,y0,x1,y1", field `r`; time, field `t`) of a
+    tenant's archive queries: AQWA's query workload, read by compaction."""
+    return f"gs:archive:qlog:{tenant}"
+
+
+def compact_lock(tenant: str) -> str:
+    """Held by the one process compacting a tenant's archive."""
+    return f"gs:archive:compacting:{tenant}"
+
+
 def query_reply_key(token: str) -> str:
     """List: the workers' `wire.QueryReply` to one round of a snapshot query."""
     return f"gs:qr:{token}"

@@ -7,6 +7,7 @@ runner is SIGKILLed while it runs is taken by another runner and answered exactl
 from __future__ import annotations
 
 import random
+import re
 import signal
 import time
 from collections import Counter
@@ -288,3 +289,86 @@ def test_metrics_show_the_flush_and_the_runners(archived: Archived) -> None:
     assert total("geoswarm_archive_rows_read_total") > 0
     assert total("geoswarm_archive_bytes_read_total") > 0
     assert "geoswarm_archive_jobs_queued " in text
+
+
+HOT = [-6.0, -4.0, -3.0, -1.0]  # a small region queried often: AQWA splits around it
+
+
+def compact(archived: Archived, min_records: int, name: str) -> str:
+    proc = archived.server.spawn(name, ["archive", "compact", "--tenant", "arch",
+                                        "--min-records", str(min_records)])
+    assert proc.wait(180) == 0, (archived.server.log_dir / f"{name}.log").read_text()
+    return (archived.server.log_dir / f"{name}.log").read_text()
+
+
+def rows_read(server: LiveServer) -> float:
+    time.sleep(1.5)  # the runners' heartbeats carry the figures
+    text = httpx.get(server.base_url + "/metrics", timeout=10).text
+    return sum(float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines()
+               if ln.startswith("geoswarm_archive_rows_read_total{"))
+
+
+def test_compaction_while_queries_run_changes_no_answer(archived: Archived) -> None:
+    """AQWA's compaction runs (twice: the first layout, then splits where the logged queries
+    are) while a thread keeps asking queries of every kind: every answer equals the oracle,
+    before, during and after each switch. A small query then reads fewer rows."""
+    import threading
+
+    from app.archive.layout import ArchiveStore
+
+    server = archived.server
+    for _ in range(12):  # the workload: a hot region
+        archived.query({"type": "count", "bbox": HOT, "from": 0.0})
+    bodies = [{"type": "range", "bbox": list(BBOX), "from": 0.0, "limit": 10_000},
+              {"type": "count", "bbox": HOT, "from": 0.0},
+              {"type": "knn", "point": [-5.0, -2.0], "k": 9, "from": 0.0},
+              {"type": "range", "bbox": list(BBOX), "latest": True, "from": 0.0,
+               "limit": 10_000}]
+    expected = [archived.oracle.answer(b) for b in bodies]
+    wrong: list[Any] = []
+    asked = [0]
+    stop = threading.Event()
+
+    def ask() -> None:
+        while not stop.is_set():
+            for body, want in zip(bodies, expected, strict=True):
+                out = archived.query(body)
+                asked[0] += 1
+                if got(body, out["results"]) != want:
+                    wrong.append((body, out))
+
+    before_small = rows_read(server)
+    archived.query({"type": "range", "bbox": HOT, "from": 0.0, "limit": 10_000})
+    small_before = rows_read(server) - before_small
+    thread = threading.Thread(target=ask, daemon=True)
+    thread.start()
+    try:
+        # a coarse first layout, then a finer minimum: AQWA splits where the queries are
+        first = compact(archived, 1000, "compact1")
+        second = compact(archived, 60, "compact2")
+        time.sleep(1)
+    finally:
+        stop.set()
+        thread.join(120)
+    assert not wrong, wrong[:2]
+    assert asked[0] >= 8, asked
+    assert "layout v1" in first and "layout v2" in second, (first, second)
+    assert re.search(r"\(([1-9]\d*) split\)", second), second
+    store = ArchiveStore(server.env["GEOSWARM_DATA_DIR"] + "/archive")
+    manifest = store.manifest("arch")
+    assert manifest is not None and manifest.version == 2
+    assert len(manifest.partitions) > 1
+    assert sum(p.records for p in manifest.partitions) <= len(archived.oracle.records)
+    geo = httpx.get(server.base_url + "/v1/admin/archive/partitions",
+                    params={"tenant": "arch"}, headers=server.admin(), timeout=10).json()
+    assert geo["type"] == "FeatureCollection" and geo["layout_version"] == 2
+    assert len(geo["features"]) == len(manifest.partitions)
+    assert sum(f["properties"]["records"] for f in geo["features"]) == sum(
+        p.records for p in manifest.partitions)
+    assert max(f["properties"]["queries"] for f in geo["features"]) > 0
+    mark = rows_read(server)
+    archived.query({"type": "range", "bbox": HOT, "from": 0.0, "limit": 10_000})
+    small_after = rows_read(server) - mark
+    assert small_after * 2 < small_before, (small_before, small_after)
+    for body, want in zip(bodies, expected, strict=True):
+        assert got(body, archived.query(body)["results"]) == want

@@ -24,12 +24,14 @@ from starlette.concurrency import run_in_threadpool
 
 from app.api.deps import AdminDep, StateDep, StrictJSONRoute
 from app.api.openapi import ADMIN, BODY, errors
+from app.archive.layout import ArchiveStore, read_layout
 from app.core.errors import ApiError, Conflict, NotFound, Unavailable
 from app.core.state import AppState, require_plan
 from app.geo.index import GlobalIndex, Partition
 from app.models import BalancerRound
 from app.pipeline import names, wire
 from app.pipeline.cluster import heartbeat_fresh
+from app.pipeline.router import grid_of
 from app.schemas import (
     BalancerConfigIn,
     RebalanceIn,
@@ -160,6 +162,45 @@ async def partitions(state: StateDep, _admin: AdminDep) -> dict[str, Any]:
         "r_s": r_s,
         "features": [_feature(index, p, stats.get(p.id), r_s) for p in index.partitions],
     }
+
+
+@router.get("/archive/partitions", responses=errors(*ADMIN, 422))
+async def archive_partitions(state: StateDep, _admin: AdminDep,
+                             tenant: Annotated[str, Query(min_length=1, max_length=64)]
+                             ) -> dict[str, Any]:
+    """A tenant's archive as a GeoJSON FeatureCollection: the k-d partitions of its current
+    compacted layout (AQWA) with their records, bytes, files and the logged queries that
+    overlapped each when it was laid out; and the bucket files not compacted yet."""
+
+    raw = await state.redis.hgetall(names.ARCHIVE_CUT)
+    cut = {(k.decode() if isinstance(k, bytes) else k): int(v) for k, v in raw.items()}
+
+    def read() -> dict[str, Any]:
+        layout = read_layout(ArchiveStore(state.settings.archive_path), tenant, cut)
+        grid = grid_of(state.settings)
+        m = layout.manifest
+        features = []
+        for i, p in enumerate(m.partitions if m is not None else []):
+            min_lon, min_lat, _, _ = grid.cell_bbox(p.rect[0], p.rect[1])
+            _, _, max_lon, max_lat = grid.cell_bbox(p.rect[2], p.rect[3])
+            ring = [[min_lon, min_lat], [max_lon, min_lat], [max_lon, max_lat],
+                    [min_lon, max_lat], [min_lon, min_lat]]
+            features.append({
+                "type": "Feature", "id": f"a{i}",
+                "bbox": [min_lon, min_lat, max_lon, max_lat],
+                "geometry": {"type": "Polygon", "coordinates": [ring]},
+                "properties": {"id": f"a{i}", "records": p.records, "bytes": p.bytes,
+                               "files": len(p.files), "queries": p.queries,
+                               "x0": p.rect[0], "y0": p.rect[1], "x1": p.rect[2],
+                               "y1": p.rect[3]}})
+        return {"type": "FeatureCollection", "tenant": tenant,
+                "layout_version": m.version if m is not None else None,
+                "compacted_at": m.created if m is not None else None,
+                "bucket_files": len(layout.buckets),
+                "bucket_bytes": sum(f.size for f in layout.buckets),
+                "features": features}
+
+    return await run_in_threadpool(read)
 
 
 # --- the balancer ------------------------------------------------------------------------------
