@@ -39,24 +39,34 @@ def records_table(batches: Sequence[tuple[ObjectBatch, Any]], bucket: int, worke
         lat.append(np.asarray(batch.lat, dtype=np.float64))
         ts.append(np.asarray(batch.ts, dtype=np.float64))
         at.append(np.asarray(arrived, dtype=np.float64))
-    lon_a = np.concatenate(lon) if lon else np.empty(0)
-    lat_a = np.concatenate(lat) if lat else np.empty(0)
+    return columns_table(
+        pa.array(ids, pa.string()), np.concatenate(lon) if lon else np.empty(0),
+        np.concatenate(lat) if lat else np.empty(0), np.concatenate(ts) if ts else np.empty(0),
+        np.concatenate(at) if at else np.empty(0), pa.array(moving, pa.bool_()),
+        pa.array(kws, pa.list_(pa.string())), pa.array(text, pa.string()),
+        pa.array(props, pa.string()), bucket, worker, grid)
+
+
+def columns_table(ids: pa.Array, lon: Any, lat: Any, ts: Any, at: Any, moving: pa.Array,
+                  keywords: pa.Array, text: pa.Array, props: pa.Array, bucket: int,
+                  worker: str, grid: Grid) -> pa.Table:
+    """The archive's table of records given as columns (props as JSON text), with their
+    cells and Z-order keys, sorted along the curve (then by id, ts and arrival)."""
+    lon_a = np.asarray(lon, dtype=np.float64)
+    lat_a = np.asarray(lat, dtype=np.float64)
     cx, cy = grid.cells_of(lon_a, lat_a)
-    cell = grid.cell_id(cx.astype(np.int64), cy.astype(np.int64))
-    z = z_order(cx, cy)
+    n = lon_a.size
     table = pa.table({
-        "id": pa.array(ids, pa.string()), "lon": lon_a, "lat": lat_a,
-        "ts": np.concatenate(ts) if ts else np.empty(0),
-        "at": np.concatenate(at) if at else np.empty(0),
-        "moving": pa.array(moving, pa.bool_()),
-        "keywords": pa.array(kws, pa.list_(pa.string())),
-        "text": pa.array(text, pa.string()), "props": pa.array(props, pa.string()),
-        "cell": cell, "z": z,
-        "bucket": np.full(len(ids), bucket, dtype=np.int64),
-        "worker": pa.array([worker] * len(ids), pa.string()),
+        "id": ids, "lon": lon_a, "lat": lat_a, "ts": np.asarray(ts, dtype=np.float64),
+        "at": np.asarray(at, dtype=np.float64), "moving": moving, "keywords": keywords,
+        "text": text, "props": props,
+        "cell": grid.cell_id(cx.astype(np.int64), cy.astype(np.int64)),
+        "z": z_order(cx, cy),
+        "bucket": np.full(n, bucket, dtype=np.int64),
+        "worker": pa.array([worker] * n, pa.string()),
     }, schema=SCHEMA)
     order = pc.sort_indices(table, sort_keys=[("z", "ascending"), ("id", "ascending"),
-                                                      ("ts", "ascending"), ("at", "ascending")])
+                                              ("ts", "ascending"), ("at", "ascending")])
     return table.take(order)
 
 
