@@ -410,13 +410,14 @@ def dev(
 def bench(
     ctx: typer.Context,
     name: Annotated[str, typer.Argument(
-        help="matcher | pipeline | swarm | soak | snapshot | knn")] = "--help",
+        help="matcher | pipeline | swarm | soak | snapshot | knn | archive")] = "--help",
 ) -> None:
     """Benchmarks (bench/): `matcher` (the evaluator index against brute force), `pipeline`
     (the whole system over HTTP and WebSockets), `swarm` (SWARM §6.2: SWARM against its
     baselines through hotspots), `soak` (every process's memory under a steady load for N
-    minutes), `snapshot` (snapshot queries against Redis GEOSEARCH on the same points) or `knn`
-    (a worker's continuous kNN lists: incremental against a full rescan).
+    minutes), `snapshot` (snapshot queries against Redis GEOSEARCH on the same points), `knn`
+    (a worker's continuous kNN lists: incremental against a full rescan) or `archive` (queries
+    over the Parquet archive through Spark, before and after AQWA's compaction).
     `geoswarm bench NAME --help` lists options."""
     if name == "matcher":
         from bench.matcher import main as bench_main
@@ -430,13 +431,15 @@ def bench(
         from bench.snapshot import main as bench_main
     elif name == "knn":
         from bench.knn import main as bench_main
+    elif name == "archive":
+        from bench.archive import main as bench_main
     elif name in ("--help", "-h"):
         # --help is left to the benchmarks (`bench NAME --help`), so answer it here
         typer.echo(ctx.get_help())
         return
     else:
         typer.echo(f"unknown benchmark {name!r}: choose matcher, pipeline, swarm, soak, "
-                   "snapshot or knn", err=True)
+                   "snapshot, knn or archive", err=True)
         raise typer.Exit(2)
     bench_main(list(ctx.args))
 
