@@ -149,3 +149,27 @@ def test_workers_killed_at_random_while_flushing_archive_every_record_once(
         assert_once(got, sent)
     finally:
         server.stop()
+
+
+def test_a_dead_workers_window_is_archived_by_its_adopter(tmp_path: Path,
+                                                          embedded_redis: Any) -> None:
+    """w1 is SIGKILLed for good while its window holds records; the coordinator fails it over
+    and w0 adopts its stream: w0 flushes w1's window under w1's name, every record once."""
+    server = start_server(tmp_path, embedded_redis.url, workers=2,
+                          GEOSWARM_WORKER_DEAD_AFTER_S="2", GEOSWARM_WINDOW_S="4",
+                          GEOSWARM_BUCKET_S="1")
+    try:
+        server.wait_workers(2)
+        server.start_coordinator()
+        tenant = "arch-" + tmp_path.name[-6:]
+        key = server.new_key(tenant)
+        sent = publish_for(server, key, 2, 11)
+        server.kill("w1", signal.SIGKILL)  # its last buckets are still in its window
+        sent += publish_for(server, key, 3, 12)
+        got = wait_archived(server, tenant, sent, 90)
+        assert_once(got, sent)
+        r = redis.Redis.from_url(server.redis_url)
+        assert r.get(names.adopter_key("w1")) == b"w0"
+        r.close()
+    finally:
+        server.stop()
