@@ -180,6 +180,7 @@ def run(sizes: list[int], queries: int, min_records: int, seed: int, png: Path |
             redis_server.stop()
             shutil.rmtree(tmp, ignore_errors=True)
     if png is not None:
+        png.parent.mkdir(parents=True, exist_ok=True)
         draw(rows, png)
     return rows
 
@@ -222,7 +223,7 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--min-records", type=int, default=50_000,
                     help="compaction's minimum partition size")
     ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--png", type=Path, default=Path("bench-archive.png"),
+    ap.add_argument("--png", type=Path, default=Path("bench-results/archive.png"),
                     help="where to draw the figures ('' for none)")
     args = ap.parse_args(argv)
     sizes = [int(s) for s in args.records.split(",") if s]
