@@ -566,7 +566,12 @@ class Hub:
             lines: list[bytes] = []
             for sub, batch in batches.items():
                 if conn.positions.get(sub) != positions[sub]:
-                    continue  # unlistened, or a push advanced it meanwhile
+                    # Unlistened, or a push advanced it while we read: what we read may hold
+                    # entries after the pushed one (their notification came first and found
+                    # the position short of them), so read again from the new position.
+                    if sub in conn.positions:
+                        conn.mark((sub,))
+                    continue
                 lines += batch.lines
                 conn.positions[sub] = batch.position
                 if batch.full:
