@@ -1,4 +1,4 @@
-"""The `geoswarm` command: dev, api, worker, coordinator, migrate, keys, bench."""
+"""The `geoswarm` command: dev, api, worker, coordinator, migrate, keys, ingest, bench."""
 
 from __future__ import annotations
 
@@ -223,6 +223,47 @@ def archive_compact(
                    f"{d.cost_before:.4g} -> {d.cost_after:.4g}, {d.seconds:.1f} s")
     if not done:
         typer.echo("nothing to compact")
+
+
+@app.command()
+def ingest(
+    tenant: Annotated[str, typer.Option(help="the tenant the objects belong to")],
+    to: Annotated[str, typer.Option(help="archive (a history load) or live (published to the "
+                                    "workers)")],
+    paths: Annotated[list[str] | None, typer.Argument(
+        help="CSV, JSON lines or Parquet files, directories or globs (local paths or any URI "
+             "Spark reads)", show_default=False)] = None,
+    fmt: Annotated[str | None, typer.Option(
+        "--format", help="csv | json | parquet (default: from the file names)")] = None,
+    mapping: Annotated[list[str] | None, typer.Option(
+        "--map", help="API_NAME=SOURCE_COLUMN: read a field from another column "
+                      "(repeatable)")] = None,
+    rejects: Annotated[str | None, typer.Option(
+        help="where the rejected rows go, with their reason (default "
+             "<data dir>/rejects/<run>)")] = None,
+    watch: Annotated[str | None, typer.Option(
+        help="then keep ingesting the files that appear in this directory until SIGINT or "
+             "SIGTERM")] = None,
+) -> None:
+    """Load objects from files into the running system (a Spark job), every row validated as
+    POST /v1/objects validates it; bad rows go to the rejects folder. Run with the running
+    system's environment (GEOSWARM_DATA_DIR, or GEOSWARM_REDIS_URL)."""
+    from spark.ingest import IngestError, Options, main, parse_mapping
+
+    _logging("WARNING")
+    settings = get_settings()
+    try:
+        options = Options(paths=list(paths or []), tenant=tenant, to=to, fmt=fmt,
+                          mapping=parse_mapping(mapping or []), rejects=rejects, watch=watch)
+        counts = main(settings, options)
+    except IngestError as exc:
+        typer.echo(f"ingest: {exc}", err=True)
+        raise typer.Exit(exc.code) from None
+    except KeyboardInterrupt:
+        typer.echo("ingest: interrupted (nothing of this run reaches the archive; rows "
+                   "already published live stay)", err=True)
+        raise typer.Exit(130) from None
+    typer.echo(str(counts))
 
 
 # --- dev: the whole system in one command ------------------------------------------------

@@ -183,6 +183,12 @@ def archive_query_log(tenant: str) -> str:
     return f"gs:archive:qlog:{tenant}"
 
 
+def ingest_progress_key(run: str) -> str:
+    """Hash: the counts of one `geoswarm ingest` run's validating tasks so far (read, valid,
+    rejected)."""
+    return f"gs:ingest:{run}"
+
+
 def compact_lock(tenant: str) -> str:
     """Held by the one process compacting a tenant's archive."""
     return f"gs:archive:compacting:{tenant}"

@@ -6,11 +6,13 @@ from __future__ import annotations
 import itertools
 import os
 import secrets
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import msgpack
 
+from app.geo.tokenize import normalize_keywords, tokenize
 from app.pipeline.wire import ObjectBatch
 
 _prefix = secrets.token_hex(4)
@@ -50,6 +52,60 @@ class RecordBatch:
     props: list[dict[str, Any] | None]
     size: int
     ttl_s: list[float | None] | None = None  # moving objects' own TTLs (None: the default)
+
+
+class ValidObject(Protocol):
+    """An object as `schemas.ObjectIn` validated it."""
+
+    @property
+    def id(self) -> str | None: ...
+    @property
+    def lon(self) -> float: ...
+    @property
+    def lat(self) -> float: ...
+    @property
+    def ts(self) -> float | None: ...
+    @property
+    def text(self) -> str | None: ...
+    @property
+    def keywords(self) -> list[str] | None: ...
+    @property
+    def props(self) -> dict[str, Any] | None: ...
+    @property
+    def ttl_s(self) -> float | None: ...
+
+
+def records_from_objects(objs: Sequence[ValidObject], tenant: str, now: float) -> RecordBatch:
+    """Validated objects (`schemas.ObjectIn`) as records: server ids for events, keywords
+    lower-cased and de-duplicated with the text's tokens, `ts` defaulting to `now`. Shared by
+    `POST /v1/objects` and `geoswarm ingest`, so that both store the same records."""
+    n = len(objs)
+    event_ids = iter(new_event_ids(sum(1 for o in objs if o.id is None)))
+    ids: list[str] = []
+    moving: list[bool] = []
+    keywords: list[list[str]] = []
+    for o in objs:
+        moving.append(o.id is not None)
+        ids.append(o.id if o.id is not None else next(event_ids))
+        kws = o.keywords
+        if o.text:
+            kws = normalize_keywords([*(kws or ()), *tokenize(o.text)])
+        elif kws:
+            kws = normalize_keywords(kws)
+        keywords.append(kws or [])
+    return RecordBatch(
+        tenant=tenant,
+        ids=ids,
+        moving=moving,
+        lon=[o.lon for o in objs],
+        lat=[o.lat for o in objs],
+        ts=[o.ts if o.ts is not None else now for o in objs],
+        keywords=keywords,
+        text=[o.text for o in objs],
+        props=[o.props for o in objs],
+        size=n,
+        ttl_s=[o.ttl_s for o in objs] if any(o.ttl_s is not None for o in objs) else None,
+    )
 
 
 def object_batch(batch: RecordBatch, record_ids: list[str],

@@ -407,7 +407,9 @@ def _rebalance_kind(v: Any) -> str | None:
         if v.keys() & _MOVE_FIELDS:
             return "move"
         return "round"
-    return {RebalanceRound: "round", RebalanceMove: "move", RebalanceSplit: "split"}.get(type(v))
+    kinds: dict[type, str] = {RebalanceRound: "round", RebalanceMove: "move",
+                              RebalanceSplit: "split"}
+    return kinds.get(type(v))
 
 
 RebalanceIn = Annotated[

@@ -15,8 +15,7 @@ from app.api.openapi import BODY, REF_PREFIX, TENANT, errors
 from app.core.errors import BadRequest, NotFound, PayloadTooLarge, RateLimited, Unavailable
 from app.core.metrics import OBJECTS_ACCEPTED, PUBLISH_SECONDS
 from app.core.state import require_plan
-from app.geo.tokenize import normalize_keywords, tokenize
-from app.pipeline.records import RecordBatch, new_event_ids
+from app.pipeline.records import records_from_objects
 from app.pipeline.router import ObjectQuotaExceeded, Overloaded, PublishContention
 from app.schemas import ObjectBatch, ObjectIn, ObjectOut, ObjectsAccepted
 from app.services import quotas
@@ -99,36 +98,6 @@ def _with_prefix(exc: ValidationError, prefix: tuple[Any, ...]) -> list[dict[str
     return errors
 
 
-def to_records(objs: list[ObjectIn], tenant: str, now: float) -> RecordBatch:
-    n = len(objs)
-    event_ids = iter(new_event_ids(sum(1 for o in objs if o.id is None)))
-    ids: list[str] = []
-    moving: list[bool] = []
-    keywords: list[list[str]] = []
-    for o in objs:
-        moving.append(o.id is not None)
-        ids.append(o.id if o.id is not None else next(event_ids))
-        kws = o.keywords
-        if o.text:
-            kws = normalize_keywords([*(kws or ()), *tokenize(o.text)])
-        elif kws:
-            kws = normalize_keywords(kws)
-        keywords.append(kws or [])
-    return RecordBatch(
-        tenant=tenant,
-        ids=ids,
-        moving=moving,
-        lon=[o.lon for o in objs],
-        lat=[o.lat for o in objs],
-        ts=[o.ts if o.ts is not None else now for o in objs],
-        keywords=keywords,
-        text=[o.text for o in objs],
-        props=[o.props for o in objs],
-        size=n,
-        ttl_s=[o.ttl_s for o in objs] if any(o.ttl_s is not None for o in objs) else None,
-    )
-
-
 @router.post("", status_code=202, response_model=ObjectsAccepted, openapi_extra=_BODY_DOC,
              responses=errors(*BODY, *TENANT, descriptions={
                  413: "Body over max_body_bytes, or more than max_batch objects.",
@@ -143,7 +112,7 @@ async def publish(request: Request, state: StateDep, principal: TenantDep) -> Ob
     started = time.perf_counter()
     body = await request.body()
     objs = parse_objects(body, request.headers.get("content-type", ""), state.settings.max_batch)
-    batch = to_records(objs, principal.tenant, time.time())
+    batch = records_from_objects(objs, principal.tenant, time.time())
     await require_plan(state)
     assert state.router is not None
     await quotas.charge_publish(state, principal.tenant, batch.size)
