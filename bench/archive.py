@@ -10,13 +10,20 @@ records' area and knn queries (k = 10) at random records; each query's region go
 query log as a runner logs it. Then `compact` rewrites the archive into k-d partitions driven
 by that log, and the same queries run again. Every range answer is checked against numpy.
 
+Ingestion: `geoswarm ingest --to archive` of a Parquet file of `--ingest-records` rows (the
+same workload), as a user runs it (a subprocess with its own SparkSession, every row validated
+by the API's rules), timed from start to its final counts.
+
 Printed as a table (one line per size, phase and query type) and drawn as a PNG."""
 
 from __future__ import annotations
 
 import argparse
 import math
+import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -24,6 +31,7 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 
 from app.archive.layout import ArchiveStore
 from app.archive.writer import columns_table, write_table
@@ -129,13 +137,46 @@ def make_parts(objs: dict[str, Any], cut: int, queries: int, rng: np.random.Gene
     return parts
 
 
-def run(sizes: list[int], queries: int, min_records: int, seed: int, png: Path | None
-        ) -> list[dict[str, Any]]:
+def ingest_rate(n: int, seed: int) -> dict[str, Any]:
+    """`geoswarm ingest --to archive` of n rows from a Parquet file, timed end to end."""
+    from bench.cluster import ROOT
+
+    tmp = Path(tempfile.mkdtemp(prefix="geoswarm-bench-ingest-"))
+    redis_server = start_embedded_redis(Settings(data_dir=tmp / "redis"))
+    try:
+        objs = make_objects(n, np.random.default_rng(seed))
+        src = tmp / "objects.parquet"
+        pq.write_table(pa.table({
+            "lon": objs["lon"], "lat": objs["lat"],
+            "ts": 1_700_000_000.0 + np.arange(n, dtype=np.float64) * 0.01,
+            "keywords": pa.array(objs["keywords"], pa.list_(pa.string()))}), src)
+        env = {**os.environ, "GEOSWARM_DATA_DIR": str(tmp), "GEOSWARM_REDIS_URL": redis_server.url,
+               "GEOSWARM_SPARK_MASTER": "local[*]"}
+        t0 = time.perf_counter()
+        out = subprocess.run([sys.executable, "-m", "app.cli", "ingest", str(src), "--tenant",
+                              "ingest", "--to", "archive"], env=env, cwd=ROOT,
+                             capture_output=True, text=True, check=False)
+        seconds = time.perf_counter() - t0
+        if out.returncode != 0:
+            raise RuntimeError(f"ingest failed: {out.stderr[-2000:]}")
+        last = out.stdout.strip().splitlines()[-1]
+        return {"records": n, "phase": "ingest", "query": "to archive",
+                "rows_per_s": round(n / seconds), "seconds": round(seconds, 1),
+                "counts": last.replace(" ", "")}
+    finally:
+        redis_server.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def run(sizes: list[int], queries: int, min_records: int, seed: int, png: Path | None,
+        ingest_records: int = 0) -> list[dict[str, Any]]:
     from spark.compact import compact_tenant
     from spark.runner import Archive
     from spark.session import get_spark
 
     rows: list[dict[str, Any]] = []
+    if ingest_records:
+        rows.append(ingest_rate(ingest_records, seed))
     for n in sizes:
         tmp = Path(tempfile.mkdtemp(prefix="geoswarm-bench-archive-"))
         settings = Settings(data_dir=tmp, spark_master="local[*]", bucket_s=BUCKET_S,
@@ -222,13 +263,15 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--queries", type=int, default=20, help="queries of each type per phase")
     ap.add_argument("--min-records", type=int, default=50_000,
                     help="compaction's minimum partition size")
+    ap.add_argument("--ingest-records", type=int, default=1_000_000,
+                    help="rows loaded by `geoswarm ingest --to archive` (0: skip)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--png", type=Path, default=Path("bench-results/archive.png"),
                     help="where to draw the figures ('' for none)")
     args = ap.parse_args(argv)
     sizes = [int(s) for s in args.records.split(",") if s]
     rows = run(sizes, args.queries, args.min_records, args.seed,
-               args.png if str(args.png) else None)
+               args.png if str(args.png) else None, args.ingest_records)
     for r in rows:
         rest = "  ".join(f"{k}={v}" for k, v in r.items() if k not in ("records", "phase",
                                                                         "query"))

@@ -23,7 +23,8 @@ def test_tiny_run_reports_both_phases_exactly(tmp_path: Path) -> None:
     png = tmp_path / "archive.png"
     out = subprocess.run(
         [sys.executable, "-m", "app.cli", "bench", "archive", "--records", "30000",
-         "--queries", "3", "--min-records", "2000", "--png", str(png)],
+         "--queries", "3", "--min-records", "2000", "--png", str(png),
+         "--ingest-records", "0"],
         cwd=ROOT, capture_output=True, text=True, timeout=400)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = [ln.split() for ln in out.stdout.splitlines() if ln.strip()]

@@ -139,12 +139,12 @@ def test_workers_killed_at_random_while_flushing_archive_every_record_once(
         rng = random.Random(7)
 
         def during(i: int) -> None:
-            if i % 25 == 24:
+            if i % 18 == 17:
                 w = rng.choice(["w0", "w1"])
                 server.kill(w, signal.SIGKILL)
                 server.start_worker(w)
 
-        sent = publish_for(server, key, 12, 3, during)
+        sent = publish_for(server, key, 8, 3, during)
         got = wait_archived(server, tenant, sent, 90)
         assert_once(got, sent)
     finally:
