@@ -162,6 +162,17 @@ def coordinator() -> None:
             server.stop()
 
 
+def _require_spark(settings: Settings, what: str) -> None:
+    """Exit 1 with a plain message when Spark cannot start here (no Java 17+, no Connect)."""
+    from spark.session import java_available
+
+    if not settings.spark_remote:
+        ok, detail = java_available()
+        if not ok:
+            typer.echo(f"{what} needs Java 17+ for Spark: {detail}", err=True)
+            raise typer.Exit(1)
+
+
 @app.command("query-runner")
 def query_runner(
     id: Annotated[str, typer.Option("--id", help="runner id (unique among runners)")] = "",
@@ -171,15 +182,10 @@ def query_runner(
     Connect). Run any number: each query's archive part is taken by one."""
     from app.core.redis import resolve_redis_url
     from spark.runner import run_query_runner
-    from spark.session import java_available
 
     _logging()
     settings = get_settings()
-    if not settings.spark_remote:
-        ok, detail = java_available()
-        if not ok:
-            typer.echo(f"the query runner needs Java 17+ for Spark: {detail}", err=True)
-            raise typer.Exit(1)
+    _require_spark(settings, "the query runner")
     url, server = resolve_redis_url(settings)
     try:
         run_query_runner(settings, id or f"r-{socket.gethostname()}-{os.getpid()}", url)
@@ -200,15 +206,11 @@ def archive_compact(
     running meanwhile; each sees the old layout or the new one."""
     from app.core.redis import resolve_redis_url, sync_client
     from spark.compact import compact_all
-    from spark.session import get_spark, java_available
+    from spark.session import get_spark
 
     _logging()
     settings = get_settings()
-    if not settings.spark_remote:
-        ok, detail = java_available()
-        if not ok:
-            typer.echo(f"compaction needs Java 17+ for Spark: {detail}", err=True)
-            raise typer.Exit(1)
+    _require_spark(settings, "compaction")
     url, server = resolve_redis_url(settings)
     spark = get_spark(settings, app_name="geoswarm-archive-compact")
     try:

@@ -41,7 +41,14 @@ import pyarrow.parquet as pq
 from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
 
-from app.archive.layout import CELLS_META, ArchiveStore, Manifest, Partition, visible
+from app.archive.layout import (
+    CELLS_META,
+    ArchiveStore,
+    Manifest,
+    Partition,
+    decode_cut,
+    visible,
+)
 from app.core.config import Settings
 from app.geo.aqwa import (
     CountGrid,
@@ -74,10 +81,6 @@ class Compacted:
     cost_after: float
     seconds: float
 
-
-def read_cuts(client: Any) -> dict[str, int]:
-    return {(k.decode() if isinstance(k, bytes) else k): int(v)
-            for k, v in client.hgetall(names.ARCHIVE_CUT).items()}
 
 
 def query_workload(client: Any, tenant: str, grid: Grid, now: float,
@@ -184,7 +187,8 @@ def _compact(spark: SparkSession, settings: Settings, client: Any, tenant: str,
     if old is not None and old.grid != (grid.nx, grid.ny):
         raise RuntimeError(f"the archive of {tenant} was compacted on a {old.grid} grid, not "
                            f"{(grid.nx, grid.ny)}: compact it with the same GEOSWARM_GRID")
-    cut = read_cuts(client)  # before the listing: every file at or below it is there
+    # the cut before the listing: every file at or below it is there
+    cut = decode_cut(client.hgetall(names.ARCHIVE_CUT))
     new_files = [f for f in visible(store.bucket_files(tenant), cut)
                  if old is None or not old.covers(f)]
     counts = load_counts(store, old, grid)

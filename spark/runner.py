@@ -50,10 +50,6 @@ SPARK_SCHEMA = ("id string, lon double, lat double, ts double, at double, moving
                 "bucket long, worker string")
 
 
-def read_cuts(client: Any) -> dict[str, int]:
-    return {(k.decode() if isinstance(k, bytes) else k): int(v)
-            for k, v in client.hgetall(names.ARCHIVE_CUT).items()}
-
 
 @dataclass
 class TenantCounts:
@@ -255,10 +251,8 @@ class QueryRunner:
     def _run_entries(self, entries: list[tuple[bytes, dict[bytes, bytes]]]) -> None:
         for eid, fields in entries:
             try:
-                part = wire.decode_entry(fields[b"m"])
-                if not isinstance(part, wire.QueryPart):
-                    raise ValueError(f"a {type(part).__name__}, not a query part")
-            except (KeyError, ValueError) as exc:
+                part = wire.decode_query_part(fields)
+            except ValueError as exc:
                 log.error("query runner %s: undecodable part %s: %s", self.id, eid, exc)
                 self.redis.xack(names.ARCHIVE_JOBS, names.RUNNER_GROUP, eid)
                 continue

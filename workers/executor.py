@@ -680,10 +680,8 @@ class Executor:
         """Queue the query parts sent straight to us (an undecodable one is dropped)."""
         for eid, fields in entries:
             try:
-                part = wire.decode_entry(fields[b"m"])
-                if not isinstance(part, wire.QueryPart):
-                    raise ValueError(f"a {type(part).__name__}, not a query part")
-            except (KeyError, ValueError) as exc:
+                part = wire.decode_query_part(fields)
+            except ValueError as exc:
                 log.error("worker %s: undecodable query part %s: %s", self.id, eid, exc)
                 self.redis.xack(self.query_stream, names.GROUP, eid)
                 continue

@@ -250,6 +250,11 @@ class ArchiveStore:
         return sorted(out, key=lambda f: (f.bucket, f.worker))
 
 
+def decode_cut(raw: dict[Any, Any]) -> dict[str, int]:
+    """The archive cut as read from its Redis hash (worker -> last archived bucket)."""
+    return {(k.decode() if isinstance(k, bytes) else str(k)): int(v) for k, v in raw.items()}
+
+
 def visible(files: list[BucketFile], cut: dict[str, int]) -> list[BucketFile]:
     """The bucket files a query may read: those of buckets at or below their worker's cut."""
     return [f for f in files if f.bucket <= cut.get(f.worker, -(1 << 62))]

@@ -35,6 +35,7 @@ import msgspec
 import orjson
 import redis.asyncio as aioredis
 
+from app.archive.layout import decode_cut
 from app.core.config import Settings
 from app.core.metrics import COUNT_QUERIES
 from app.core.redis import run_script
@@ -253,7 +254,7 @@ class QueryService:
                 f"{now - self.settings.window_s:.3f}, epoch seconds) and no query runner is "
                 "running to read the archive: start `geoswarm query-runner` (it needs Java "
                 "17+), or ask for the last window_s only")
-        return {(k.decode() if isinstance(k, bytes) else k): int(v) for k, v in cut.items()}
+        return decode_cut(cut)
 
     async def _execute(self, tenant: str, query: wire.SnapshotQuery) -> dict[str, Any]:
         as_of = time.time()

@@ -316,6 +316,17 @@ def decode_entry(data: bytes) -> WorkerEntry:
     return entry
 
 
+def decode_query_part(fields: dict[bytes, bytes]) -> QueryPart:
+    """The query part of a stream entry's fields; ValueError if it is not one."""
+    try:
+        part = decode_entry(fields[b"m"])
+    except KeyError:
+        raise ValueError("no field m") from None
+    if not isinstance(part, QueryPart):
+        raise ValueError(f"a {type(part).__name__}, not a query part")
+    return part
+
+
 # --- a worker's command stream (SWARM §4.3.1, §5) -------------------------------------------
 
 class CommandBase(msgspec.Struct, tag_field="t", kw_only=True):

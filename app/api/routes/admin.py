@@ -24,7 +24,7 @@ from starlette.concurrency import run_in_threadpool
 
 from app.api.deps import AdminDep, StateDep, StrictJSONRoute
 from app.api.openapi import ADMIN, BODY, errors
-from app.archive.layout import ArchiveStore, read_layout
+from app.archive.layout import ArchiveStore, decode_cut, read_layout
 from app.core.errors import ApiError, Conflict, NotFound, Unavailable
 from app.core.state import AppState, require_plan
 from app.geo.index import GlobalIndex, Partition
@@ -172,8 +172,7 @@ async def archive_partitions(state: StateDep, _admin: AdminDep,
     compacted layout (AQWA) with their records, bytes, files and the logged queries that
     overlapped each when it was laid out; and the bucket files not compacted yet."""
 
-    raw = await state.redis.hgetall(names.ARCHIVE_CUT)
-    cut = {(k.decode() if isinstance(k, bytes) else k): int(v) for k, v in raw.items()}
+    cut = decode_cut(await state.redis.hgetall(names.ARCHIVE_CUT))
 
     def read() -> dict[str, Any]:
         layout = read_layout(ArchiveStore(state.settings.archive_path), tenant, cut)
