@@ -56,7 +56,7 @@ class ObjectIn(Strict):
         "server's object_ttl_s). Ignored for events (no `id`): they leave with the live "
         "window.")] = None
     # Keywords are lower-cased and de-duplicated with the text's tokens in one pass when the
-    # batch becomes records (routes/objects.py): a per-object validator here cost half of
+    # batch becomes records (pipeline/records.py): a per-object validator here cost half of
     # the publish path's time.
 
     @field_validator("props")
