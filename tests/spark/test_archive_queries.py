@@ -294,13 +294,6 @@ def test_metrics_show_the_flush_and_the_runners(archived: Archived) -> None:
 HOT = [-6.0, -4.0, -3.0, -1.0]  # a small region queried often: AQWA splits around it
 
 
-def compact(archived: Archived, min_records: int, name: str) -> str:
-    proc = archived.server.spawn(name, ["archive", "compact", "--tenant", "arch",
-                                        "--min-records", str(min_records)])
-    assert proc.wait(180) == 0, (archived.server.log_dir / f"{name}.log").read_text()
-    return (archived.server.log_dir / f"{name}.log").read_text()
-
-
 def rows_read(server: LiveServer) -> float:
     time.sleep(1.5)  # the runners' heartbeats carry the figures
     text = httpx.get(server.base_url + "/metrics", timeout=10).text
@@ -310,8 +303,8 @@ def rows_read(server: LiveServer) -> float:
 
 def test_compaction_while_queries_run_changes_no_answer(archived: Archived,
                                                         spark: SparkSession) -> None:
-    """AQWA's compaction runs (twice: the first layout with the command a user runs, then,
-    in this process's session, splits where the logged queries are) while a thread keeps
+    """AQWA's compaction runs (twice, in this process's Spark session: the first layout, then
+    splits where the logged queries are) while a thread keeps
     asking queries of every kind: every answer equals the oracle, before, during and after
     each switch. A small query then reads fewer rows."""
     import threading
@@ -321,7 +314,7 @@ def test_compaction_while_queries_run_changes_no_answer(archived: Archived,
     from spark.compact import compact_tenant
 
     server = archived.server
-    for _ in range(12):  # the workload: a hot region
+    for _ in range(6):  # the workload: a hot region
         archived.query({"type": "count", "bbox": HOT, "from": 0.0})
     bodies = [{"type": "range", "bbox": list(BBOX), "from": 0.0, "limit": 10_000},
               {"type": "count", "bbox": HOT, "from": 0.0},
@@ -348,11 +341,11 @@ def test_compaction_while_queries_run_changes_no_answer(archived: Archived,
     thread.start()
     try:
         # a coarse first layout, then a finer minimum: AQWA splits where the queries are
-        first = compact(archived, 1000, "compact1")
         settings = Settings(environment="test", data_dir=Path(server.env["GEOSWARM_DATA_DIR"]),
                             spark_master="local[2]")
         client = redis.Redis.from_url(server.redis_url)
         try:
+            first = compact_tenant(spark, settings, client, "arch", 1000)
             done = compact_tenant(spark, settings, client, "arch", 60)
         finally:
             client.close()
@@ -362,7 +355,7 @@ def test_compaction_while_queries_run_changes_no_answer(archived: Archived,
         thread.join(120)
     assert not wrong, wrong[:2]
     assert asked[0] >= 8, asked
-    assert "layout v1" in first, first
+    assert first is not None and first.version == 1, first
     assert done is not None and done.version == 2 and done.split >= 1, done
     assert done.cost_after < done.cost_before
     store = ArchiveStore(server.env["GEOSWARM_DATA_DIR"] + "/archive")
