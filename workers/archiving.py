@@ -23,6 +23,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import redis
+
 from app.archive.layout import ArchiveStore
 from app.archive.writer import write_bucket
 from app.core.config import Settings
@@ -120,8 +122,11 @@ class Archiver:
         started = time.monotonic()
         try:
             self.flush(window, now)
-        except OSError as exc:
-            log.error("archive flush of %s's window to %s failed: %s", self.origin,
+        except redis.RedisError:
+            raise  # the main loop's business (it retries and recovers)
+        except Exception as exc:  # a store that refuses a write must not stop the worker
+            log.error("archive flush of %s's window to %s failed (tried again at the next "
+                      "pass; nothing leaves memory before it is archived): %s", self.origin,
                       self.store.url, exc)
         took = time.monotonic() - started
         if took > 1.0:
