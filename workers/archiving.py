@@ -25,7 +25,7 @@ from typing import Any
 
 import redis
 
-from app.archive.layout import ArchiveStore
+from app.archive.layout import NO_CUT, ArchiveStore
 from app.archive.writer import write_bucket
 from app.core.config import Settings
 from app.geo.grid import Grid
@@ -35,7 +35,6 @@ from workers.records import RecordWindow
 log = logging.getLogger(__name__)
 
 ARCHIVE_GRACE_S = 30.0  # archived records stay in memory this long after their bucket left
-NO_CUT = -(1 << 62)  # nothing archived yet
 
 # Raise a worker's cut to ARGV[2] unless it is higher already; returns the cut.
 RAISE_CUT_SCRIPT = """

@@ -33,12 +33,13 @@ from typing import TYPE_CHECKING, Any
 
 import redis
 
+from app.archive.layout import NO_CUT
 from app.geo.grid import Grid
 from app.geo.index import Partition, Plan
 from app.pipeline import names, wire
 from app.pipeline.control import history_entry
 from app.pipeline.router import grid_of
-from workers.archiving import NO_CUT, Archiver
+from workers.archiving import Archiver
 from workers.records import RecordWindow
 
 if TYPE_CHECKING:

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from app.archive.layout import NO_CUT
 from app.geo.geometry import bbox_contains
 from app.geo.grid import Grid
 from app.pipeline.wire import ObjectBatch
@@ -118,7 +119,7 @@ class TenantRecords:
     chunks: deque[Chunk] = field(default_factory=deque)
     by_object: dict[str, deque[tuple[float, float, int]]] = field(default_factory=dict)
     size: int = 0
-    floor: int = -(1 << 62)  # a view's: records of buckets up to it are left out (`after`)
+    floor: int = NO_CUT  # a view's: records of buckets up to it are left out (`after`)
     # bucket -> global grid cell -> records (CheetahGIS's per-cell counts; `CellCounts`)
     cell_counts: dict[int, dict[int, int]] = field(default_factory=dict)
 

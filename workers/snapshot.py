@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from app.archive.layout import NO_CUT
 from app.geo.geometry import bbox_contains, circle_bbox, haversine_m
 from app.geo.grid import Grid
 from app.pipeline import wire
@@ -25,8 +26,6 @@ from workers.records import CELL_DEG, Chunk, TenantRecords
 
 Row = tuple[Chunk, int]
 
-
-NO_CUT = -(1 << 62)
 
 
 def evaluate(records: TenantRecords | None, part: wire.QueryPart, worker: str,

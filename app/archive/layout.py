@@ -47,6 +47,7 @@ import orjson
 import pyarrow as pa
 import pyarrow.fs as pafs
 
+NO_CUT = -(1 << 62)  # the cut of a worker that archived nothing yet
 RECORDS = "records"
 COMPACT = "compact"
 CURRENT = "CURRENT"
@@ -151,7 +152,7 @@ class Manifest:
             cells=doc.get("cells"))
 
     def covers(self, f: BucketFile) -> bool:
-        return f.bucket <= self.absorbed.get(f.worker, -(1 << 62))
+        return f.bucket <= self.absorbed.get(f.worker, NO_CUT)
 
 
 class ArchiveStore:
@@ -257,7 +258,7 @@ def decode_cut(raw: dict[Any, Any]) -> dict[str, int]:
 
 def visible(files: list[BucketFile], cut: dict[str, int]) -> list[BucketFile]:
     """The bucket files a query may read: those of buckets at or below their worker's cut."""
-    return [f for f in files if f.bucket <= cut.get(f.worker, -(1 << 62))]
+    return [f for f in files if f.bucket <= cut.get(f.worker, NO_CUT)]
 
 
 @dataclass
