@@ -92,6 +92,7 @@ def boxes(objs: dict[str, Any], count: int, fraction: float, rng: np.random.Gene
 def run_queries(archive: Any, spark: Any, client: Any, parts: list[wire.QueryPart],
                 objs: dict[str, Any]) -> dict[str, Any]:
     """Latency (ms), rows and bytes read per query of each type; range answers checked."""
+    from spark.compact import log_query
     from spark.scanmetrics import scans_since
 
     out: dict[str, Any] = {}
@@ -110,9 +111,9 @@ def run_queries(archive: Any, spark: Any, client: Any, parts: list[wire.QueryPar
         fig["rows"].append(scans.rows if scans else 0)
         fig["bytes"].append(scans.bytes if scans else 0)
         fig["files"].append(scans.files if scans else 0)
-        x0, y0, x1, y1 = cells if cells is not None else (0, 0, 999, 999)
-        client.xadd(names.archive_query_log(TENANT), {b"r": f"{x0},{y0},{x1},{y1}".encode(),
-                                                      b"t": str(time.time()).encode()})
+        grid = archive.grid
+        log_query(client, TENANT, cells if cells is not None else
+                  (0, 0, grid.nx - 1, grid.ny - 1), time.time())
         if part.query.type == "count" and part.query.bbox is not None:
             want = int(bbox_contains(part.query.bbox, objs["lon"], objs["lat"]).sum())
             wrong += int(reply.count != want)

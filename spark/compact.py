@@ -35,14 +35,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import orjson
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
 
+from app.archive.counts import add_cells, file_cells, layout_counts
 from app.archive.layout import (
-    CELLS_META,
     ArchiveStore,
     Manifest,
     Partition,
@@ -51,7 +50,6 @@ from app.archive.layout import (
 )
 from app.core.config import Settings
 from app.geo.aqwa import (
-    CountGrid,
     EulerHistogram,
     kd_initial_partitions,
     layout_cost,
@@ -64,6 +62,7 @@ from app.pipeline.router import grid_of
 log = logging.getLogger(__name__)
 
 LOCK_TTL_S = 3600
+QUERY_LOG_LEN = 100_000  # the regions of the last archive queries kept per tenant
 Rect = tuple[int, int, int, int]
 
 
@@ -81,6 +80,15 @@ class Compacted:
     cost_after: float
     seconds: float
 
+
+
+def log_query(client: Any, tenant: str, cells: Rect, now: float) -> None:
+    """Add an archive query's region (the grid cells it read) to the tenant's query log, the
+    workload `query_workload` reads."""
+    x0, y0, x1, y1 = cells
+    client.xadd(names.archive_query_log(tenant), {b"r": f"{x0},{y0},{x1},{y1}".encode(),
+                                                  b"t": repr(now).encode()},
+                maxlen=QUERY_LOG_LEN, approximate=True)
 
 
 def query_workload(client: Any, tenant: str, grid: Grid, now: float,
@@ -106,18 +114,6 @@ def query_workload(client: Any, tenant: str, grid: Grid, now: float,
     if rects:
         hist.add_many(np.asarray(rects, dtype=np.int64), np.asarray(weights))
     return hist
-
-
-def file_cells(store: ArchiveStore, path: str) -> dict[int, int]:
-    meta = pq.read_schema(path, filesystem=store.fs).metadata or {}
-    return {int(c): int(n) for c, n in orjson.loads(meta.get(CELLS_META, b"{}")).items()}
-
-
-def load_counts(store: ArchiveStore, manifest: Manifest | None, grid: Grid) -> CountGrid:
-    if manifest is None or manifest.cells is None:
-        return CountGrid(grid.nx, grid.ny)
-    with store.fs.open_input_file(manifest.cells) as f:
-        return CountGrid.from_array(np.load(f))
 
 
 def _contains(outer: Rect, inner: Rect) -> bool:
@@ -191,12 +187,9 @@ def _compact(spark: SparkSession, settings: Settings, client: Any, tenant: str,
     cut = decode_cut(client.hgetall(names.ARCHIVE_CUT))
     new_files = [f for f in visible(store.bucket_files(tenant), cut)
                  if old is None or not old.covers(f)]
-    counts = load_counts(store, old, grid)
+    counts = layout_counts(store, old, grid)
     for f in new_files:
-        cells = file_cells(store, f.path)
-        if cells:
-            counts.add(np.fromiter(cells.keys(), dtype=np.int64, count=len(cells)),
-                       np.fromiter(cells.values(), dtype=np.int64, count=len(cells)))
+        add_cells(counts, file_cells(store, f.path))
     if counts.total == 0:
         return None
     queries = query_workload(client, tenant, grid, now, settings.archive_query_half_life_s)

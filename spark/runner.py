@@ -21,13 +21,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import orjson
-import pyarrow.parquet as pq
 import redis
 from pyspark.sql import DataFrame, SparkSession
 
-from app.archive.layout import CELLS_META, ArchiveStore, Layout, read_layout
+from app.archive.counts import add_cells, file_cells, layout_counts
+from app.archive.layout import ArchiveStore, Layout, read_layout
 from app.core.config import Settings
 from app.geo.aqwa import CountGrid, knn_radius_m
 from app.geo.geometry import circle_bbox
@@ -35,6 +34,7 @@ from app.pipeline import names, wire
 from app.pipeline.cluster import heartbeat_fresh
 from app.pipeline.router import grid_of
 from spark.archive_query import Radius, evaluate
+from spark.compact import log_query
 from spark.scanmetrics import scans_since
 
 log = logging.getLogger(__name__)
@@ -43,7 +43,6 @@ READ_COUNT = 8
 BLOCK_MS = 1000
 CLAIM_EVERY_S = 2.0
 REPLY_TTL_S = 120
-QUERY_LOG_LEN = 100_000  # the regions of the last archive queries kept per tenant
 
 SPARK_SCHEMA = ("id string, lon double, lat double, ts double, at double, moving boolean, "
                 "keywords array<string>, text string, props string, cell long, z long, "
@@ -88,20 +87,13 @@ class Archive:
         version = layout.manifest.version if layout.manifest is not None else None
         paths = {f.path for f in layout.buckets}
         if held is None or held.version != version or not held.files <= paths:
-            grid = CountGrid(self.grid.nx, self.grid.ny)
-            if layout.manifest is not None and layout.manifest.cells is not None:
-                with self.store.fs.open_input_file(layout.manifest.cells) as f:
-                    grid = CountGrid.from_array(np.load(f))
-            held = self.grids[tenant] = TenantCounts(grid, version)
+            held = self.grids[tenant] = TenantCounts(
+                layout_counts(self.store, layout.manifest, self.grid), version)
         for path in sorted(paths - held.files):
             cells = self._cells.get(path)
             if cells is None:
-                meta = pq.read_schema(path, filesystem=self.store.fs).metadata or {}
-                raw = orjson.loads(meta.get(CELLS_META, b"{}"))
-                cells = self._cells[path] = {int(c): int(n) for c, n in raw.items()}
-            if cells:
-                held.grid.add(np.fromiter(cells.keys(), dtype=np.int64, count=len(cells)),
-                              np.fromiter(cells.values(), dtype=np.int64, count=len(cells)))
+                cells = self._cells[path] = file_cells(self.store, path)
+            add_cells(held.grid, cells)
             held.files.add(path)
         return held.grid
 
@@ -266,13 +258,11 @@ class QueryRunner:
     def _log_query(self, part: wire.QueryPart, cells: Cells | None) -> None:
         """AQWA's query log: the region (grid cells) each archive query read, for compaction
         (`spark.compact`)."""
-        grid = self.archive.grid if self.archive is not None else None
-        if grid is None:
+        if self.archive is None:
             return
-        x0, y0, x1, y1 = cells if cells is not None else (0, 0, grid.nx - 1, grid.ny - 1)
-        self.redis.xadd(names.archive_query_log(part.tenant),
-                        {b"r": f"{x0},{y0},{x1},{y1}".encode(), b"t": str(time.time()).encode()},
-                        maxlen=QUERY_LOG_LEN, approximate=True)
+        grid = self.archive.grid
+        log_query(self.redis, part.tenant,
+                  cells if cells is not None else (0, 0, grid.nx - 1, grid.ny - 1), time.time())
 
     def _answer(self, part: wire.QueryPart) -> None:
         assert self.archive is not None
