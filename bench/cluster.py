@@ -49,9 +49,12 @@ class LiveServer:
         r.raise_for_status()
         return str(r.json()["key"])
 
-    def spawn(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
+    def spawn(self, name: str, args: list[str], env: dict[str, str] | None = None
+              ) -> subprocess.Popen[bytes]:
+        """`geoswarm ARGS` as process `name`, with the cluster's environment (and `env`)."""
         log = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 - closed with the process
-        proc = subprocess.Popen([sys.executable, "-m", "app.cli", *args], env=self.env,
+        proc = subprocess.Popen([sys.executable, "-m", "app.cli", *args],
+                                env={**self.env, **(env or {})},
                                 stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
         self.procs[name] = proc
         return proc
@@ -84,11 +87,24 @@ class LiveServer:
 _next_db = iter(range(10**9))
 
 
+def database_slots() -> list[int]:
+    """The Redis database indexes this process may take (1-15): all of them, or, in one of
+    N parallel test processes (pytest-xdist's PYTEST_XDIST_WORKER=gw<k>), those equal to k
+    modulo N, so that processes sharing one Redis server never flush each other's."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
+    if not worker.startswith("gw") or count <= 1:
+        return list(range(1, 16))
+    k = int(worker[2:]) % count
+    return [d for d in range(1, 16) if d % count == k]
+
+
 def own_database(redis_url: str) -> str:
     """The same Redis server, another database index, so that servers of different tests
     (which flush their database on start) never touch each other's keys."""
     base = redis_url.rsplit("/", 1)[0] if redis_url.count("/") > 2 else redis_url
-    return f"{base}/{1 + next(_next_db) % 15}"
+    slots = database_slots()
+    return f"{base}/{slots[next(_next_db) % len(slots)]}"
 
 
 def cluster_env(tmp: Path, redis_url: str, database_url: str | None = None, workers: int = 2,

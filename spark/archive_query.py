@@ -34,6 +34,7 @@ from pyspark.sql import functions as F
 
 from app.geo.geometry import EARTH_RADIUS_M, bbox_contains, circle_bbox, haversine_m
 from app.pipeline import names, wire
+from spark.scanmetrics import to_arrow
 
 # Spark's filters let through rows this much beyond a region (metres, degrees): the exact test
 # is numpy's, on the driver.
@@ -152,7 +153,7 @@ def fetch(df: DataFrame, order: list[Column], n: int | None, light: bool = False
         df = df.orderBy(*order)
     if n is not None:
         df = df.limit(n)
-    return Rows(df.toArrow())
+    return Rows(to_arrow(df))
 
 
 def newest_first() -> list[Column]:
@@ -179,8 +180,8 @@ def evaluate(spark: SparkSession, frames: Frames, part: wire.QueryPart,
         if not part.latest_of:
             return wire.QueryReply(worker=worker)
         ids = spark.createDataFrame([(i,) for i in part.latest_of], "id string")
-        got = (df.filter(F.col("moving")).join(F.broadcast(ids), "id")
-               .groupBy("id").agg(F.max("ts").alias("ts")).toArrow())
+        got = to_arrow(df.filter(F.col("moving")).join(F.broadcast(ids), "id")
+                       .groupBy("id").agg(F.max("ts").alias("ts")))
         return wire.QueryReply(worker=worker, latest=dict(zip(
             got.column("id").to_pylist(), got.column("ts").to_pylist(), strict=True)))
     if q.latest:
@@ -216,13 +217,11 @@ def _counted(df: DataFrame, part: wire.QueryPart) -> wire.QueryReply:
         reply.records = [listed.found(i, light=True) for i in range(listed.n)]
     terms: Counter[str] = Counter()
     if q.type == "topk_terms":
-        got = (counted.select(F.explode("keywords").alias("term")).groupBy("term").count()
-               .toArrow())
+        got = to_arrow(counted.select(F.explode("keywords").alias("term"))
+                       .groupBy("term").count())
         terms.update(dict(zip(got.column("term").to_pylist(), got.column("count").to_pylist(),
                               strict=True)))
-        reply.count = counted.count()
-    else:
-        reply.count = counted.count()
+    reply.count = int(to_arrow(counted.groupBy().count()).column(0)[0].as_py())
     if band is not None:
         rows = fetch(band, [], None, light=True)
         kws = rows.cols["keywords"].to_pylist() if rows.n else []

@@ -19,8 +19,8 @@ whose splits follow the query workload.
    gains one for its new records.
 5. The switch: the manifest of v<N> is written, then CURRENT is replaced (a rename): a query
    reads the old layout or the new one, never both or neither (`read_layout`). The files the
-   new layout replaced are deleted by a later compaction, once `archive_compact_grace_s` has
-   passed (queries that started on the old layout finish first).
+   new layout replaced (but not those it kept) are deleted by a later compaction, once
+   `archive_compact_grace_s` has passed (queries that started on the old layout finish first).
 
 One compaction per tenant at a time (a Redis lock).
 """
@@ -30,6 +30,7 @@ from __future__ import annotations
 import io
 import logging
 import secrets
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -37,6 +38,7 @@ from typing import Any
 import numpy as np
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
+import redis
 from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
 
@@ -58,10 +60,11 @@ from app.geo.aqwa import (
 from app.geo.grid import Grid
 from app.pipeline import names
 from app.pipeline.router import grid_of
+from workers.lease import RELEASE_SCRIPT, RENEW_SCRIPT
 
 log = logging.getLogger(__name__)
 
-LOCK_TTL_S = 3600
+LOCK_TTL_S = 60.0  # renewed every 20 s while a compaction runs (CompactionLock)
 QUERY_LOG_LEN = 100_000  # the regions of the last archive queries kept per tenant
 Rect = tuple[int, int, int, int]
 
@@ -138,8 +141,9 @@ def _versions(store: ArchiveStore, tenant: str) -> list[int]:
 
 def clean(store: ArchiveStore, tenant: str, grace_s: float, now: float) -> int:
     """Delete what the current layout replaced once `grace_s` has passed since it became
-    current: the bucket files it absorbed and the older layouts' files. Returns the files and
-    directories deleted."""
+    current: the bucket files it absorbed and the older layouts' files, except those it kept
+    (a partition that did not split keeps its files where an older layout wrote them).
+    Returns the files and directories deleted."""
     current = store.manifest(tenant)
     if current is None or now - current.created < grace_s:
         return 0
@@ -148,28 +152,72 @@ def clean(store: ArchiveStore, tenant: str, grace_s: float, now: float) -> int:
         if current.covers(f):
             store.fs.delete_file(f.path)
             deleted += 1
+    kept = {path for p in current.partitions for path in p.files}
     for v in _versions(store, tenant):
-        if v != current.version:
-            store.fs.delete_dir(store.version_dir(tenant, v))
+        if v == current.version:
+            continue
+        vdir = store.version_dir(tenant, v)
+        files = [i.path for i in store.fs.get_file_info(pafs.FileSelector(vdir, recursive=True))
+                 if i.type == pafs.FileType.File]
+        if kept.isdisjoint(files):
+            store.fs.delete_dir(vdir)
             deleted += 1
+            continue
+        for path in files:
+            if path not in kept:
+                store.fs.delete_file(path)
+                deleted += 1
     return deleted
+
+
+class CompactionLock:
+    """One compaction per tenant at a time: a Redis key held with a short TTL and renewed
+    every third of it while the compaction runs, so that a process that dies holding it
+    (SIGKILL, a lost machine) blocks the tenant's compactions for at most LOCK_TTL_S."""
+
+    def __init__(self, client: Any, tenant: str) -> None:
+        self.client = client
+        self.key = names.compact_lock(tenant)
+        self.token = secrets.token_hex(8)
+        self._done = threading.Event()
+        self._renew = client.register_script(RENEW_SCRIPT)
+        self._release = client.register_script(RELEASE_SCRIPT)
+
+    def acquire(self) -> bool:
+        if not self.client.set(self.key, self.token, nx=True, px=int(LOCK_TTL_S * 1000)):
+            return False
+        threading.Thread(target=self._keep, daemon=True).start()
+        return True
+
+    def _keep(self) -> None:
+        while not self._done.wait(LOCK_TTL_S / 3):
+            try:
+                if int(self._renew(keys=[self.key],
+                                   args=[self.token, int(LOCK_TTL_S * 1000)])) != 1:
+                    log.warning("compaction lock %s lapsed; the switch may race another "
+                                "compaction", self.key)
+                    return
+            except redis.RedisError as exc:  # the next renewal tries again, within the TTL
+                log.warning("compaction lock %s not renewed: %s", self.key, exc)
+
+    def release(self) -> None:
+        self._done.set()
+        self._release(keys=[self.key], args=[self.token])
 
 
 def compact_tenant(spark: SparkSession, settings: Settings, client: Any, tenant: str,
                    min_records: int | None = None) -> Compacted | None:
     """Compact one tenant's archive (see the module docstring); None when another process is
     compacting it or there is nothing to do."""
-    token = secrets.token_hex(8)
-    lock = names.compact_lock(tenant)
-    if not client.set(lock, token, nx=True, ex=LOCK_TTL_S):
+    lock = CompactionLock(client, tenant)
+    if not lock.acquire():
         log.info("compaction of %s: another process is compacting it", tenant)
         return None
     try:
         return _compact(spark, settings, client, tenant,
                         settings.archive_min_file_records if min_records is None else min_records)
     finally:
-        if client.get(lock) == token.encode():
-            client.delete(lock)
+        lock.release()
 
 
 def _compact(spark: SparkSession, settings: Settings, client: Any, tenant: str,
@@ -265,7 +313,7 @@ def _write(spark: SparkSession, store: ArchiveStore, grid: Grid, rects: list[Rec
         raise RuntimeError("a record's cell lies in no partition of the new layout")
     rows = df.join(F.broadcast(mapping), "cell").select(*df.columns, "part")
     (rows.repartition("part").sortWithinPartitions("z", "id", "ts", "at")
-     .write.partitionBy("part").mode("errorifexists").parquet(store.uri(out)))
+     .write.partitionBy("part").mode("error").parquet(store.uri(out)))
     return int(sum(int(r) for r in _counted(store, out)))
 
 

@@ -568,8 +568,10 @@ class Ingest:
         return df.withColumn(FILE_COLUMN, F.col("_metadata.file_path"))
 
 
-def main(settings: Settings, options: Options) -> Counts:
-    """Run `geoswarm ingest`: the final counts (`IngestError` when it cannot start or go on)."""
+def main(settings: Settings, options: Options, spark: SparkSession | None = None) -> Counts:
+    """Run `geoswarm ingest`: the final counts (`IngestError` when it cannot start or go on).
+    In `spark` when given (the caller's session, left running), else in a session of its own,
+    stopped at the end."""
     check_tenant(options.tenant)
     if options.to not in ("archive", "live"):
         raise IngestError(f"--to {options.to!r}: choose archive or live")
@@ -582,17 +584,14 @@ def main(settings: Settings, options: Options) -> Counts:
     redis_url = find_system(settings)
     from spark.session import get_spark, java_available
 
-    if not settings.spark_remote:
+    if spark is None and not settings.spark_remote:
         ok, detail = java_available()
         if not ok:
             raise IngestError(f"ingest needs Java 17+ for Spark: {detail}", code=1)
-    # Spark starts its Python workers with PYSPARK_PYTHON, else the `python3` on PATH, which
-    # need not be this environment's (with geoswarm installed)
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-
-    spark = get_spark(settings, app_name="geoswarm-ingest")
+    own = spark is None
+    session = get_spark(settings, app_name="geoswarm-ingest") if spark is None else spark
     try:
-        ingest = Ingest(settings, options, spark, redis_url)
+        ingest = Ingest(settings, options, session, redis_url)
         ingest.progress.start()
         try:
             total = ingest.ingest_paths() if options.paths else Counts()
@@ -607,4 +606,5 @@ def main(settings: Settings, options: Options) -> Counts:
         finally:
             ingest.close()
     finally:
-        spark.stop()
+        if own:
+            session.stop()

@@ -35,7 +35,7 @@ from app.pipeline.cluster import heartbeat_fresh
 from app.pipeline.router import grid_of
 from spark.archive_query import Radius, evaluate
 from spark.compact import log_query
-from spark.scanmetrics import scans_since
+from spark.scanmetrics import metered, scans_since
 
 log = logging.getLogger(__name__)
 
@@ -137,6 +137,7 @@ class QueryRunner:
         self.spark = spark
         self.archive: Archive | None = None
         self.stopping = False
+        self.stopped = threading.Event()  # set with `stopping`: wakes the compaction loop
         self.started = time.time()
         self.done = 0
         self.failed = 0
@@ -159,8 +160,10 @@ class QueryRunner:
         self._heartbeat()
         threading.Thread(target=self._heartbeat_loop, daemon=True).start()
         self.archive = Archive(self.settings, self.spark())
+        compactor = None
         if self.settings.archive_compact_s > 0:
-            threading.Thread(target=self._compact_loop, daemon=True).start()
+            compactor = threading.Thread(target=self._compact_loop, daemon=True)
+            compactor.start()
         log.info("query runner %s ready (pid %d), archive at %s", self.id, os.getpid(),
                  self.archive.store.url)
         # parts this runner took before a restart under the same id
@@ -178,6 +181,10 @@ class QueryRunner:
             except redis.ConnectionError as exc:
                 log.warning("query runner %s: Redis unavailable (%s); retrying", self.id, exc)
                 time.sleep(1)
+        if compactor is not None and compactor.is_alive():
+            # a compaction under way finishes (its switch and its lock) before the runner goes
+            log.info("query runner %s: waiting for the compaction under way", self.id)
+            compactor.join()
         self.redis.hdel(names.RUNNERS_KEY, self.id)
 
     def _compact_loop(self) -> None:
@@ -185,9 +192,8 @@ class QueryRunner:
         the queries, which keep running on the old layout until the switch."""
         from spark.compact import compact_all
 
-        while not self.stopping:
-            time.sleep(self.settings.archive_compact_s)
-            if self.stopping or self.archive is None:
+        while not self.stopped.wait(self.settings.archive_compact_s):
+            if self.archive is None:
                 return
             try:
                 compact_all(self.archive.spark, self.settings, self.redis)
@@ -196,6 +202,7 @@ class QueryRunner:
 
     def _on_signal(self, *_: Any) -> None:
         self.stopping = True
+        self.stopped.set()
 
     def _heartbeat(self) -> None:
         info = {"id": self.id, "pid": os.getpid(), "host": socket.gethostname(),
@@ -268,26 +275,28 @@ class QueryRunner:
         assert self.archive is not None
         self.running += 1
         started = time.monotonic()
-        try:
-            reply, cells = self.archive.answer(part)
-            self.done += 1
-            if part.latest_of is None:
-                self._log_query(part, cells)
-        except Exception as exc:  # a query must not take the runner down
-            log.exception("query runner %s: archive query failed", self.id)
-            self.failed += 1
-            reply = wire.QueryReply(worker=names.ARCHIVE_WORKER,
-                                    error=f"{type(exc).__name__}: {exc}")
-        finally:
-            self.running -= 1
+        with metered() as connect_scans:
+            try:
+                reply, cells = self.archive.answer(part)
+                self.done += 1
+                if part.latest_of is None:
+                    self._log_query(part, cells)
+            except Exception as exc:  # a query must not take the runner down
+                log.exception("query runner %s: archive query failed", self.id)
+                self.failed += 1
+                reply = wire.QueryReply(worker=names.ARCHIVE_WORKER,
+                                        error=f"{type(exc).__name__}: {exc}")
+            finally:
+                self.running -= 1
         scans = scans_since(self.archive.spark, self.last_execution)
-        if scans is not None:
-            self.last_execution = scans.last
-            self.rows_read += scans.rows
-            self.bytes_read += scans.bytes
-            log.info("archive part of %s (%s) answered in %.3f s: %d rows, %d bytes in %d "
-                     "files read", part.tenant, part.query.type, time.monotonic() - started,
-                     scans.rows, scans.bytes, scans.files)
+        if scans is None:  # a Spark Connect client: the figures came back with each action
+            scans = connect_scans
+        self.last_execution = scans.last
+        self.rows_read += scans.rows
+        self.bytes_read += scans.bytes
+        log.info("archive part of %s (%s) answered in %.3f s: %d rows, %d bytes in %d files "
+                 "read", part.tenant, part.query.type, time.monotonic() - started, scans.rows,
+                 scans.bytes, scans.files)
         key = names.query_reply_key(part.reply)
         pipe = self.redis.pipeline(transaction=False)
         pipe.rpush(key, wire.encode_query_reply(reply))

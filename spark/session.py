@@ -13,6 +13,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 from pyspark.sql import SparkSession
@@ -116,6 +117,9 @@ def get_spark(settings: Settings, app_name: str = "geoswarm") -> SparkSession:
     if not ok:
         raise RuntimeError(f"Spark needs a Java {MIN_JAVA}+ runtime: {detail}. {MISSING_JAVA_HELP}")
 
+    # Spark starts its Python workers with PYSPARK_PYTHON, else the `python3` on PATH, which
+    # need not be this environment's (with geoswarm installed)
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     work = (settings.data_dir / "spark").resolve()
     warehouse, scratch = work / "warehouse", work / "tmp"
     warehouse.mkdir(parents=True, exist_ok=True)

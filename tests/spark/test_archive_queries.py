@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import random
 import signal
+import subprocess
+import sys
 import time
-from collections import Counter
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,185 +19,47 @@ import pytest
 import redis
 from pyspark.sql import SparkSession
 
-from app.geo.geometry import bbox_contains, haversine_m
 from app.pipeline import names
-from spark.session import java_available
-from tests.conftest import LiveServer, auth, start_server
+from tests.conftest import ROOT, LiveServer, auth, start_server
+from tests.spark.archive_oracle import (
+    BBOX,
+    QUERIES,
+    Archived,
+    Asking,
+    Oracle,
+    got,
+    publish,
+    runner_ready,
+    wait_archived,
+)
+from tests.spark.conftest import ConnectServer
 
 pytestmark = pytest.mark.slow
 
-WORDS = ["taxi", "bus", "rain", "jam", "park"]
-BBOX = (-10.0, -8.0, 12.0, 9.0)
-
-
-@dataclass
-class Rec:
-    id: str
-    lon: float
-    lat: float
-    ts: float
-    keywords: list[str]
-    moving: bool
-
-
-class Oracle:
-    def __init__(self) -> None:
-        self.records: list[Rec] = []
-
-    def rows(self, body: dict[str, Any]) -> list[Rec]:
-        """The records a query ranges over: time range, `latest`, then region and keywords."""
-        t0, t1 = body.get("from"), body.get("to")
-        rows = [r for r in self.records if (t0 is None or r.ts >= t0) and (
-            t1 is None or r.ts <= t1)]
-        if body.get("latest"):
-            best: dict[str, Rec] = {}
-            for r in rows:
-                if r.moving and (r.id not in best or r.ts > best[r.id].ts):
-                    best[r.id] = r
-            rows = [r for r in rows if not r.moving or best[r.id] is r]
-        if "bbox" in body:
-            rows = [r for r in rows if bbox_contains(tuple(body["bbox"]), r.lon, r.lat)]
-        if "circle" in body:
-            c = body["circle"]
-            rows = [r for r in rows
-                    if haversine_m(c["lon"], c["lat"], r.lon, r.lat) <= c["radius_m"]]
-        wanted = set(body.get("keywords") or [])
-        if wanted:
-            if body.get("match") == "all":
-                rows = [r for r in rows if wanted <= set(r.keywords)]
-            else:
-                rows = [r for r in rows if wanted & set(r.keywords)]
-        return rows
-
-    def answer(self, body: dict[str, Any]) -> list[Any]:
-        rows = self.rows(body)
-        kind = body["type"]
-        if kind in ("range", "keyword"):
-            rows.sort(key=lambda r: (-r.ts, r.id))
-            return [(r.id, r.ts) for r in rows[:body.get("limit", 1000)]]
-        if kind == "knn":
-            px, py = body["point"]
-            rows.sort(key=lambda r: (haversine_m(px, py, r.lon, r.lat), r.id, -r.ts))
-            return [(r.id, r.ts) for r in rows[:body["k"]]]
-        if kind == "count":
-            return [len(rows)]
-        terms: Counter[str] = Counter()
-        for r in rows:
-            terms.update(r.keywords)
-        return sorted(terms.items(), key=lambda t: (-t[1], t[0]))[:body["k"]]
-
-
-def got(body: dict[str, Any], results: list[dict[str, Any]]) -> list[Any]:
-    if body["type"] == "count":
-        return [results[0]["count"]]
-    if body["type"] == "topk_terms":
-        return [(r["term"], r["count"]) for r in results]
-    return [(r["id"], r["ts"]) for r in results]
-
-
-@dataclass
-class Archived:
-    server: LiveServer
-    key: str
-    oracle: Oracle
-    runners: list[str]
-
-    def query(self, body: dict[str, Any], wait_s: float = 60) -> dict[str, Any]:
-        r = httpx.post(self.server.base_url + "/v1/queries", json={**body, "wait_s": wait_s},
-                       headers=auth(self.key), timeout=wait_s + 30)
-        assert r.status_code == 200, r.text
-        return dict(r.json())
-
-
-def publish(server: LiveServer, key: str, oracle: Oracle, rng: random.Random, batches: int,
-            first: int) -> None:
-    with httpx.Client(base_url=server.base_url, timeout=30) as client:
-        for i in range(first, first + batches):
-            objs = []
-            for j in range(50):
-                obj: dict[str, Any] = {
-                    "lon": rng.uniform(-20, 20), "lat": rng.uniform(-15, 15),
-                    "ts": 1_700_000_000.0 + i * 100 + j,
-                    "keywords": rng.sample(WORDS, rng.randint(0, 2))}
-                if j % 4 == 0:
-                    obj["id"] = f"car-{rng.randrange(30)}"
-                objs.append(obj)
-            r = client.post("/v1/objects", json={"objects": objs}, headers=auth(key))
-            assert r.status_code == 202, r.text
-            for obj, oid in zip(objs, r.json()["ids"], strict=True):
-                oracle.records.append(Rec(oid, obj["lon"], obj["lat"], obj["ts"],
-                                          obj["keywords"], "id" in obj))
-            time.sleep(0.1)
-
-
-def cuts(server: LiveServer) -> dict[str, int]:
-    client = redis.Redis.from_url(server.redis_url)
-    try:
-        return {k.decode(): int(v) for k, v in client.hgetall(names.ARCHIVE_CUT).items()}
-    finally:
-        client.close()
-
-
-def runner_ready(server: LiveServer, name: str, timeout: float = 120) -> None:
-    log = server.log_dir / f"{name}.log"
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if log.exists() and "ready" in log.read_text():
-            return
-        assert server.procs[name].poll() is None, log.read_text()
-        time.sleep(0.2)
-    raise TimeoutError(f"{name} not ready:\n{log.read_text()}")
-
 
 @pytest.fixture(scope="module")
-def archived(tmp_path_factory: pytest.TempPathFactory, embedded_redis: Any):  # type: ignore[no-untyped-def]
-    ok, detail = java_available()
-    if not ok:
-        pytest.skip(f"Java 17+ is not installed: {detail}")
+def archived(tmp_path_factory: pytest.TempPathFactory, embedded_redis: Any,  # type: ignore[no-untyped-def]
+             connect_server: ConnectServer):
+    """Two runners: r0 with a SparkSession of its own, r1 a client of a Spark Connect server
+    (GEOSWARM_SPARK_REMOTE), which starts no JVM of its own."""
     tmp: Path = tmp_path_factory.mktemp("archived")
     server = start_server(tmp, embedded_redis.url, workers=2, GEOSWARM_WINDOW_S="2",
                           GEOSWARM_BUCKET_S="1", GEOSWARM_SPARK_MASTER="local[2]")
     try:
         server.wait_workers(2)
-        runners = ["r0", "r1"]
-        for name in runners:
-            server.spawn(name, ["query-runner", "--id", name])
+        runners = {"r0": {}, "r1": {"GEOSWARM_SPARK_REMOTE": connect_server.url}}
         key = server.new_key("arch")
-        oracle = Oracle()
-        rng = random.Random(5)
-        publish(server, key, oracle, rng, 40, 0)
-        # the first batches are archived, then more arrive that are not
-        last_bucket = int(time.time() // 1)
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            c = cuts(server)
-            if len(c) == 2 and min(c.values()) >= last_bucket - 4:
-                break
-            time.sleep(0.5)
+        archived = Archived(server, key, Oracle(), runners)
+        archived.spawn_runner("r0")
+        publish(server, key, archived.oracle, random.Random(5), 40, 0)
+        connect_server.wait_ready()
+        archived.spawn_runner("r1")
+        wait_archived(server, 2)
         for name in runners:
             runner_ready(server, name)
-        yield Archived(server, key, oracle, runners)
+        yield archived
     finally:
         server.stop()
-
-
-QUERIES: list[dict[str, Any]] = [
-    {"type": "range", "bbox": list(BBOX), "limit": 10_000},
-    {"type": "range", "bbox": list(BBOX), "keywords": ["taxi", "rain"], "match": "any",
-     "limit": 10_000},
-    {"type": "range", "bbox": list(BBOX), "limit": 25},
-    {"type": "range", "circle": {"lon": 3.0, "lat": 2.0, "radius_m": 900_000},
-     "keywords": ["bus"], "limit": 10_000},
-    {"type": "range", "bbox": list(BBOX), "latest": True, "limit": 10_000},
-    {"type": "keyword", "keywords": ["jam", "park"], "match": "all", "limit": 10_000},
-    {"type": "knn", "point": [1.5, -2.5], "k": 15},
-    {"type": "knn", "point": [-18.0, 14.0], "k": 7, "keywords": ["taxi"]},
-    {"type": "knn", "point": [4.0, 4.0], "k": 5, "latest": True},
-    {"type": "count", "bbox": list(BBOX)},
-    {"type": "count", "circle": {"lon": -5.0, "lat": 0.0, "radius_m": 950_000}},
-    {"type": "count", "bbox": list(BBOX), "latest": True},
-    {"type": "topk_terms", "bbox": list(BBOX), "k": 3},
-]
 
 
 @pytest.mark.parametrize("body", QUERIES, ids=lambda b: b["type"] + "-" + "-".join(
@@ -270,7 +132,7 @@ def test_a_runner_killed_while_it_runs_a_query_is_replaced(archived: Archived) -
     assert got(body, out["results"]) == archived.oracle.answer(body)
     assert f"takes over the parts of ['{holder}']" in (
         server.log_dir / f"{other}.log").read_text()
-    server.spawn(holder, ["query-runner", "--id", holder])  # for the tests after
+    archived.spawn_runner(holder)  # for the tests after
 
 
 def test_metrics_show_the_flush_and_the_runners(archived: Archived) -> None:
@@ -301,17 +163,34 @@ def rows_read(server: LiveServer) -> float:
                if ln.startswith("geoswarm_archive_rows_read_total{"))
 
 
+def replaced(store: Any, tenant: str) -> list[str]:
+    """The files the current layout no longer reads: bucket files it absorbed, and files of
+    older layouts it did not keep."""
+    import pyarrow.fs as pafs
+
+    current = store.manifest(tenant)
+    assert current is not None
+    kept = {path for p in current.partitions for path in p.files}
+    own = store.version_dir(tenant, current.version) + "/"
+    top = store.compact_dir(tenant)
+    older = [i.path for i in store.fs.get_file_info(pafs.FileSelector(top, recursive=True))
+             if i.type == pafs.FileType.File and i.path.rsplit("/", 1)[0] != top  # CURRENT
+             and not i.path.startswith(own) and i.path not in kept]
+    return sorted([f.path for f in store.bucket_files(tenant) if current.covers(f)] + older)
+
+
 def test_compaction_while_queries_run_changes_no_answer(archived: Archived,
                                                         spark: SparkSession) -> None:
     """AQWA's compaction runs (twice, in this process's Spark session: the first layout, then
     splits where the logged queries are) while a thread keeps
     asking queries of every kind: every answer equals the oracle, before, during and after
     each switch. A small query then reads fewer rows."""
-    import threading
+
+    import pyarrow.fs as pafs
 
     from app.archive.layout import ArchiveStore
     from app.core.config import Settings
-    from spark.compact import compact_tenant
+    from spark.compact import clean, compact_tenant
 
     server = archived.server
     for _ in range(6):  # the workload: a hot region
@@ -321,25 +200,10 @@ def test_compaction_while_queries_run_changes_no_answer(archived: Archived,
               {"type": "knn", "point": [-5.0, -2.0], "k": 9, "from": 0.0},
               {"type": "range", "bbox": list(BBOX), "latest": True, "from": 0.0,
                "limit": 10_000}]
-    expected = [archived.oracle.answer(b) for b in bodies]
-    wrong: list[Any] = []
-    asked = [0]
-    stop = threading.Event()
-
-    def ask() -> None:
-        while not stop.is_set():
-            for body, want in zip(bodies, expected, strict=True):
-                out = archived.query(body)
-                asked[0] += 1
-                if got(body, out["results"]) != want:
-                    wrong.append((body, out))
-
     before_small = rows_read(server)
     archived.query({"type": "range", "bbox": HOT, "from": 0.0, "limit": 10_000})
     small_before = rows_read(server) - before_small
-    thread = threading.Thread(target=ask, daemon=True)
-    thread.start()
-    try:
+    with Asking(archived, bodies) as asking:
         # a coarse first layout, then a finer minimum: AQWA splits where the queries are
         settings = Settings(environment="test", data_dir=Path(server.env["GEOSWARM_DATA_DIR"]),
                             spark_master="local[2]")
@@ -350,11 +214,8 @@ def test_compaction_while_queries_run_changes_no_answer(archived: Archived,
         finally:
             client.close()
         time.sleep(1)
-    finally:
-        stop.set()
-        thread.join(120)
-    assert not wrong, wrong[:2]
-    assert asked[0] >= 8, asked
+    assert not asking.wrong, asking.wrong[:2]
+    assert asking.asked >= 8, asking.asked
     assert first is not None and first.version == 1, first
     assert done is not None and done.version == 2 and done.split >= 1, done
     assert done.cost_after < done.cost_before
@@ -374,5 +235,108 @@ def test_compaction_while_queries_run_changes_no_answer(archived: Archived,
     archived.query({"type": "range", "bbox": HOT, "from": 0.0, "limit": 10_000})
     small_after = rows_read(server) - mark
     assert small_after * 2 < small_before, (small_before, small_after)
-    for body, want in zip(bodies, expected, strict=True):
+    for body, want in zip(bodies, asking.expected, strict=True):
         assert got(body, archived.query(body)["results"]) == want
+    # what v2 replaced (v1's files it did not keep, the bucket files it absorbed) stays for
+    # the grace period, then goes
+    gone = replaced(store, "arch")
+    assert gone
+    assert clean(store, "arch", grace_s=3600, now=time.time()) == 0
+    assert replaced(store, "arch") == gone
+    assert clean(store, "arch", grace_s=0, now=time.time()) > 0
+    assert replaced(store, "arch") == []
+    assert all(store.fs.get_file_info(path).type == pafs.FileType.File
+               for p in manifest.partitions for path in p.files)
+    for body, want in zip(bodies, asking.expected, strict=True):
+        assert got(body, archived.query(body)["results"]) == want
+
+
+def test_a_connect_runner_alone_answers_and_compacts_on_its_schedule(
+        archived: Archived) -> None:
+    """The last test (it stops r0 and r1): a runner that is a Spark Connect client (no JVM of
+    its own) answers every query alone, reports what its scans read (the metrics the server
+    sends back with each action), and compacts the archive on its schedule while a thread
+    keeps asking; what a layout replaced goes only after the grace period."""
+
+    import pyarrow.fs as pafs
+
+    from app.archive.layout import ArchiveStore
+
+    server = archived.server
+    grace_s = 4.0
+    store = ArchiveStore(server.env["GEOSWARM_DATA_DIR"] + "/archive")
+    before = store.manifest("arch")
+    assert before is not None
+    for name in list(archived.runners):
+        server.kill(name, signal.SIGTERM)
+    archived.runners["r2"] = {**archived.runners["r1"], "GEOSWARM_ARCHIVE_COMPACT_S": "1",
+                              "GEOSWARM_ARCHIVE_COMPACT_GRACE_S": str(grace_s),
+                              "GEOSWARM_ARCHIVE_MIN_FILE_RECORDS": "200"}
+    archived.spawn_runner("r2")
+    runner_ready(server, "r2")
+    log = (server.log_dir / "r2.log").read_text()
+    assert "connecting to Spark Connect" in log and "starting Spark on" not in log, log
+
+    # queries over what is published so far (`to`), which the records to come cannot change
+    settled = max(r.ts for r in archived.oracle.records)
+    bodies: list[dict[str, Any]] = [
+        {"type": "range", "bbox": list(BBOX), "from": 0.0, "to": settled, "limit": 10_000},
+        {"type": "count", "bbox": HOT, "from": 0.0, "to": settled},
+        {"type": "knn", "point": [-5.0, -2.0], "k": 9, "from": 0.0, "to": settled}]
+
+    def wait_for(what: str, check: Any, timeout: float = 60) -> Any:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if (value := check()):
+                return value
+            time.sleep(0.3)
+        raise TimeoutError(f"{what}:\n{(server.log_dir / 'r2.log').read_text()[-3000:]}")
+
+    with Asking(archived, bodies) as asking:
+        first = int((settled - 1_700_000_000.0) // 100) + 10
+        publish(server, archived.key, archived.oracle, random.Random(8), 15, first)
+        wait_archived(server, 2)
+        newer = wait_for("a scheduled compaction", lambda: (
+            m := store.manifest("arch")) is not None and m.version > before.version and m)
+    assert not asking.wrong, asking.wrong[:2]
+    assert asking.asked >= 3, asking.asked
+
+    def cleaned() -> bool:
+        return replaced(store, "arch") == []
+
+    wait_for("the files the layout replaced deleted", cleaned)
+    current = store.manifest("arch")
+    assert current is not None and current.version >= newer.version
+    assert time.time() - current.created >= grace_s
+    assert all(store.fs.get_file_info(path).type == pafs.FileType.File
+               for p in current.partitions for path in p.files)
+    assert f"compacted arch into v{newer.version}" in (server.log_dir / "r2.log").read_text()
+
+    for body in QUERIES:
+        full = {**body, "from": 0.0}
+        assert got(full, archived.query(full)["results"]) == archived.oracle.answer(full), full
+    time.sleep(1.5)  # a heartbeat carries the figures
+    text = httpx.get(server.base_url + "/metrics", timeout=10).text
+    for name in ("geoswarm_archive_rows_read_total", "geoswarm_archive_bytes_read_total"):
+        line = next(ln for ln in text.splitlines() if ln.startswith(name + '{runner="r2"}'))
+        assert float(line.rsplit(" ", 1)[1]) > 0, line
+
+    # `geoswarm archive compact`, as an operator runs it (a Connect client too): it absorbs
+    # what was archived since, and a new runner answers from that layout
+    server.kill("r2", signal.SIGTERM)
+    publish(server, archived.key, archived.oracle, random.Random(9), 5, first + 100)
+    wait_archived(server, 2, through=time.time())
+    out = subprocess.run([sys.executable, "-m", "app.cli", "archive", "compact", "--tenant",
+                          "arch", "--min-records", "200"],
+                         env={**server.env, **archived.runners["r1"]}, cwd=ROOT,
+                         capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stdout + out.stderr
+    latest = store.manifest("arch")
+    assert latest is not None and latest.version > current.version
+    assert out.stdout.startswith(f"arch: layout v{latest.version}, "), out.stdout
+    archived.runners["r3"] = archived.runners["r1"]
+    archived.spawn_runner("r3")
+    runner_ready(server, "r3")
+    for body in QUERIES[:3]:
+        full = {**body, "from": 0.0}
+        assert got(full, archived.query(full)["results"]) == archived.oracle.answer(full), full

@@ -1,6 +1,7 @@
 """`geoswarm ingest` with real processes: an api and two workers, a query runner, and the ingest
 command itself (a SparkSession of its own) run as the operator runs it, with the cluster's
-environment. Rows loaded to the archive are then found exactly once by snapshot queries (a
+environment (the archive loads run its code in the tests' Spark session, which spares a JVM
+start each). Rows loaded to the archive are then found exactly once by snapshot queries (a
 brute-force oracle over the good rows); rows loaded live reach a WebSocket subscriber exactly
 once; the rejects folder holds exactly the bad rows, each with the reason naming its field."""
 
@@ -25,11 +26,15 @@ import orjson
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from pyspark.sql import SparkSession
 
+from app.core.config import Settings
 from app.geo.geometry import bbox_contains, haversine_m
+from spark.ingest import Counts, Options, parse_mapping
+from spark.ingest import main as ingest_main
 from spark.session import java_available
 from tests.conftest import ROOT, LiveServer, auth, start_server
-from tests.spark.test_archive_queries import runner_ready
+from tests.spark.archive_oracle import runner_ready
 from tests.workers.harness import subscribe_listening, wait_for
 from tests.workers.oracle import Oracle, record_keywords
 
@@ -50,6 +55,15 @@ class Cluster:
         return subprocess.run([sys.executable, "-m", "app.cli", "ingest", *args],
                               env=env or self.server.env, cwd=ROOT, capture_output=True,
                               text=True, timeout=180)
+
+    def ingest_here(self, spark: SparkSession, monkeypatch: pytest.MonkeyPatch,
+                    options: Options) -> Counts:
+        """The command's own code (`spark.ingest.main`) with the cluster's environment, in this
+        process's Spark session: no JVM start. The CLI itself is run by the other tests."""
+        for name, value in self.server.env.items():
+            if name.startswith("GEOSWARM_"):
+                monkeypatch.setenv(name, value)
+        return ingest_main(Settings(), options, spark)
 
     def query(self, tenant: str, body: dict[str, Any]) -> dict[str, Any]:
         runner_ready(self.server, "r0")
@@ -179,7 +193,9 @@ def final_line(proc: subprocess.CompletedProcess[str]) -> str:
     return proc.stdout.strip().splitlines()[-1]
 
 
-def test_csv_and_json_lines_to_the_archive(cluster: Cluster) -> None:
+def test_csv_and_json_lines_to_the_archive(cluster: Cluster, spark: SparkSession,
+                                           monkeypatch: pytest.MonkeyPatch,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
     rng = random.Random(1)
     csv_good, json_good = good_objects(rng, 40, 0), good_objects(rng, 40, 40)
     row = {"lon": 1.0, "lat": 2.0, "ts": TS0 + 5}
@@ -214,10 +230,12 @@ def test_csv_and_json_lines_to_the_archive(cluster: Cluster) -> None:
     write_lines(src / "b.jsonl", lines)
     rejects = cluster.tmp / "rejects1"
 
-    proc = cluster.ingest(str(src / "a.csv"), str(src / "b.jsonl"), "--tenant", "tcsv",
-                          "--to", "archive", "--rejects", str(rejects))
-    assert final_line(proc) == "read 95, accepted 80, rejected 15", proc.stderr
-    assert "ignoring columns color" in proc.stderr
+    counts = cluster.ingest_here(spark, monkeypatch, Options(
+        paths=[str(src / "a.csv"), str(src / "b.jsonl")], tenant="tcsv", to="archive",
+        rejects=str(rejects)))
+    err = capsys.readouterr().err
+    assert str(counts) == "read 95, accepted 80, rejected 15", err
+    assert "ignoring columns color" in err
 
     found = {(r.get("text") or r.get("line")): r for r in read_rejects(rejects)}
     want = {**{k: v[1] for k, v in csv_bad.items()}, **{k: v[1] for k, v in json_bad.items()},
@@ -234,7 +252,8 @@ def test_csv_and_json_lines_to_the_archive(cluster: Cluster) -> None:
     assert_found_once(cluster, "tcsv", [*csv_good, *json_good])
 
 
-def test_parquet_with_mapped_columns(cluster: Cluster) -> None:
+def test_parquet_with_mapped_columns(cluster: Cluster, spark: SparkSession,
+                                     monkeypatch: pytest.MonkeyPatch) -> None:
     rng = random.Random(2)
     good = good_objects(rng, 60, 100)
     bad = [{"lon": 3.0, "lat": 95.0, "ts": TS0, "text": "bad-lat"},
@@ -253,11 +272,11 @@ def test_parquet_with_mapped_columns(cluster: Cluster) -> None:
     path = cluster.tmp / "objects.parquet"
     pq.write_table(table, path)
     rejects = cluster.tmp / "rejects2"
-    proc = cluster.ingest(str(path), "--tenant", "tpq", "--to", "archive", "--rejects",
-                          str(rejects), "--map", "id=ident", "--map", "lon=x", "--map", "lat=y",
-                          "--map", "ts=time", "--map", "keywords=tags", "--map", "props=attrs",
-                          "--map", "text=note")
-    assert final_line(proc) == "read 62, accepted 60, rejected 2", proc.stderr
+    mapping = parse_mapping(["id=ident", "lon=x", "lat=y", "ts=time", "keywords=tags",
+                             "props=attrs", "text=note"])
+    counts = cluster.ingest_here(spark, monkeypatch, Options(
+        paths=[str(path)], tenant="tpq", to="archive", rejects=str(rejects), mapping=mapping))
+    assert str(counts) == "read 62, accepted 60, rejected 2"
     found = {r["note"]: r["reason"] for r in read_rejects(rejects)}
     assert found == {"bad-lat": "lat (column y): Input should be less than or equal to 90",
                      "bad-lon": "lon (column x): Field required"}
