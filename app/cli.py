@@ -102,7 +102,7 @@ def api(
         host=host or settings.host, port=port or settings.port,
         log_level="warning", ws_max_size=settings.ws_max_message_bytes,
         ws_ping_interval=settings.ws_ping_s, ws_ping_timeout=settings.ws_ping_s,
-        timeout_graceful_shutdown=5,
+        ws_per_message_deflate=settings.ws_compression, timeout_graceful_shutdown=5,
     )
 
 

@@ -4,7 +4,11 @@ against the matcher's exact set of matches (no loss, no duplicate).
 
 Scenarios: `selective` (100 000 range/keyword subscriptions, most with keywords: about one
 match per object), `dense` (spatial-only subscriptions over dense cities: tens of matches per
-object), `latency` (the selective workload paced at a fixed rate)."""
+object), `latency` (the selective workload paced at a fixed rate).
+
+The report ends with the breakdown of the path per hop (`app.pipeline.hops`, read from
+/metrics before and after the run): how many objects or matches each hop measured, and their
+mean, p50 and p99 in milliseconds."""
 
 from __future__ import annotations
 
@@ -21,11 +25,13 @@ import numpy as np
 import orjson
 import psutil
 import websockets
+from prometheus_client.parser import text_string_to_metric_families
 
 from app.core.config import Settings
 from app.core.redis import start_embedded_redis
 from app.geo.grid import Grid
 from app.geo.matcher import SubscriptionIndex
+from app.pipeline.hops import API_HOPS, BUCKETS, HUB_HOPS, WORKER_HOPS, quantile
 from bench.cluster import LiveServer, start_server
 from bench.workload import make_objects, make_subscriptions, to_subs
 
@@ -56,6 +62,55 @@ def cpu_seconds(server: LiveServer) -> dict[str, float]:
             out[name] = total
         except psutil.Error:
             pass
+    return out
+
+
+HOP_ORDER = (*API_HOPS, *WORKER_HOPS, *HUB_HOPS)
+
+
+def hop_counts(base_url: str) -> dict[str, tuple[list[int], float]]:
+    """The hops' histograms on the api's /metrics (the api's own and the workers' summed):
+    {hop: (count per bucket, sum of seconds)}."""
+    text = httpx.get(base_url + "/metrics", timeout=10).text
+    cum: dict[str, dict[str, float]] = {}
+    sums: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name not in ("geoswarm_hop_seconds", "geoswarm_worker_hop_seconds"):
+            continue
+        for sample in family.samples:
+            hop = sample.labels["hop"]
+            if sample.name.endswith("_bucket"):
+                le = sample.labels["le"]
+                cum.setdefault(hop, {})[le] = cum.get(hop, {}).get(le, 0.0) + sample.value
+            elif sample.name.endswith("_sum"):
+                sums[hop] = sums.get(hop, 0.0) + sample.value
+    out = {}
+    for hop, by_le in cum.items():
+        bounds = [*map(str, BUCKETS), "+Inf"]
+        totals = [by_le.get(b, 0.0) for b in bounds]
+        counts = [int(t - (totals[i - 1] if i else 0.0)) for i, t in enumerate(totals)]
+        out[hop] = (counts, sums.get(hop, 0.0))
+    return out
+
+
+def hop_breakdown(before: dict[str, tuple[list[int], float]],
+                  after: dict[str, tuple[list[int], float]]) -> dict[str, str]:
+    """Per hop, over what happened between the two readings: how many objects (or matches)
+    it measured, and its mean, p50 and p99 in milliseconds."""
+    out = {}
+    empty = ([0] * (len(BUCKETS) + 1), 0.0)
+    for hop in HOP_ORDER:
+        if hop not in after:
+            continue
+        a, b = after[hop], before.get(hop, empty)
+        counts = [x - y for x, y in zip(a[0], b[0], strict=True)]
+        n = sum(counts)
+        if not n:
+            continue
+        p50, p99 = quantile(counts, 0.5), quantile(counts, 0.99)
+        assert p50 is not None and p99 is not None
+        out[f"hop_{hop}_ms"] = (f"n {n}  mean {(a[1] - b[1]) / n * 1000:.2f}  "
+                                f"p50 {p50 * 1000:.2f}  p99 {p99 * 1000:.2f}")
     return out
 
 
@@ -151,6 +206,7 @@ async def drive(server: LiveServer, scenario: str, n_subs: int, n_objects: int, 
                 obj_ids[start:start + batch] = r.json()["ids"]
 
         cpu0 = cpu_seconds(server)
+        hops0 = hop_counts(server.base_url)
         t_pub = time.perf_counter()
         tasks = []
         for j, start in enumerate(range(0, n_objects, batch)):
@@ -166,7 +222,8 @@ async def drive(server: LiveServer, scenario: str, n_subs: int, n_objects: int, 
             await asyncio.sleep(0.05)
         done_s = time.perf_counter() - t_pub
         cpu = {k: round(v - cpu0.get(k, 0.0), 1) for k, v in cpu_seconds(server).items()}
-        await asyncio.sleep(1.0)  # duplicates or extras would arrive now
+        await asyncio.sleep(1.0)  # duplicates or extras would arrive now (and heartbeats)
+        hops = hop_breakdown(hops0, hop_counts(server.base_url))
         receiver.task.cancel()
     want = {(sub_ids[k], obj_ids[o]) for k, o in expected}
     got = receiver.pairs
@@ -187,7 +244,7 @@ async def drive(server: LiveServer, scenario: str, n_subs: int, n_objects: int, 
         "latency_ms_p50": round(pct(0.50), 1), "latency_ms_p95": round(pct(0.95), 1),
         "latency_ms_p99": round(pct(0.99), 1),
         "latency_ms_mean": round(statistics.fmean(lat_ms), 1) if lat_ms else None,
-        "cpu_seconds": cpu, "wall_seconds": round(done_s, 1),
+        "cpu_seconds": cpu, "wall_seconds": round(done_s, 1), **hops,
     }
 
 

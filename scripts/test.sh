@@ -26,4 +26,9 @@ install_chromium() {
 }
 install_chromium || true
 
+# Without arguments: the whole suite in two processes, each test file kept in one (its
+# module's servers are shared by its tests); GEOSWARM_TEST_PROCESSES=1 runs it in one.
+if [ $# -eq 0 ] && [ "${GEOSWARM_TEST_PROCESSES:-2}" != 1 ]; then
+  set -- -n "${GEOSWARM_TEST_PROCESSES:-2}" --dist loadfile
+fi
 exec "$VENV/bin/python" -m pytest "$@"

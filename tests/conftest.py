@@ -33,11 +33,14 @@ from bench.cluster import (  # noqa: F401 - re-exported
     ROOT,
     LiveServer,
     cluster_env,
+    database_slots,
     own_database,
     start_server,
 )
 
-REDIS7_URL = os.environ.get("GEOSWARM_TEST_REDIS7_URL", "redis://127.0.0.1:6379/9")
+# a database of its own for each parallel test process (see bench.cluster.database_slots)
+REDIS7_URL = os.environ.get("GEOSWARM_TEST_REDIS7_URL",
+                            f"redis://127.0.0.1:6379/{database_slots()[-1]}")
 PG_URL = os.environ.get("GEOSWARM_TEST_PG_URL", "postgresql://postgres@127.0.0.1:5432/test")
 
 

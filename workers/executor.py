@@ -31,6 +31,7 @@ from app.geo.geometry import circle_bbox
 from app.geo.index import GlobalIndex, Partition
 from app.pipeline import cluster, names, records, wire
 from app.pipeline.control import PLAN_CAS_SCRIPT
+from app.pipeline.hops import HopTimes
 from app.pipeline.records import public_record
 from app.pipeline.router import (
     grid_of,
@@ -99,6 +100,7 @@ class Executor:
         self.stopping = 0
         self.received = 0
         self.matched = 0
+        self.hops = HopTimes()  # this worker's hops of the live path (app.pipeline.hops)
         self.last_trim = 0.0
         self.must_recover = False  # a step failed: entries of ours may be pending
         self.started = time.time()
@@ -370,6 +372,7 @@ class Executor:
             "knn_resizes": dict(self.knnreg.resizes),
             "archive": {"flushed": self.archiver.flushed, "lag_s": self.archiver.lag_s,
                         "cut": self.archiver.cut},
+            "hops": self.hops.doc(),
         }
         self.redis.hset(names.WORKERS_KEY, self.id, orjson.dumps(info))
 
@@ -592,6 +595,15 @@ class Executor:
                 msgs.append(wire.decode_entry(fields[b"m"]))
             except (KeyError, ValueError) as exc:  # a poison entry must not stop the shard
                 self.dead_letter(eid, fields, f"undecodable: {exc}")
+        read_at = time.time()
+        sent_at = read_at  # of the oldest batch: the hubs measure the hops from it
+        objects = 0
+        for msg in msgs:
+            if isinstance(msg, wire.ObjectBatch):
+                sent_at = min(sent_at, msg.sent_at)
+                objects += len(msg)
+                if not replay:
+                    self.hops.observe("queued", read_at - msg.sent_at, len(msg))
         notify: dict[str, set[str]] = {}
         # Consecutive object entries of one tenant are matched as one batch; control
         # messages keep their place in the stream order.
@@ -650,10 +662,12 @@ class Executor:
                             names.HISTORY_LAST_TTL_S,
                             int(self.settings.history_max_age_s * 1000),
                             *refs[a:a + HISTORY_CHUNK]])
+        writing = time.perf_counter()
         results = pipe.execute()
+        self.hops.observe("write", time.perf_counter() - writing, objects)
         self.knnreg.settle(pipe, results)
         self._keep_records()
-        self.notify(writes, [results[i] for i in slots], notify)
+        self.notify(writes, [results[i] for i in slots], notify, sent_at)
         self.redis.xack(self.stream, names.GROUP, *ids)
         last = max(ids, key=cluster.entry_order) if ids else None
         if last is not None and (self.processed_id is None or cluster.entry_order(last)
@@ -733,9 +747,12 @@ class Executor:
         return (adoption.archiver if adoption is not None else self.archiver).dropped
 
     def notify(self, writes: list[tuple[str, int, list[str], list[bytes], dict[str, bytes]]],
-                replies: list[list[bytes]], notify: dict[str, set[str]]) -> None:
+               replies: list[list[bytes]], notify: dict[str, set[str]],
+               sent_at: float = 0.0) -> None:
         """Tell the hubs what was appended: the entries with their previous ids and the
-        records they reference, so caught-up clients get them without a read."""
+        records they reference, so caught-up clients get them without a read (`sent_at`: when
+        the oldest batch of the step was appended, for the hubs' hops)."""
+        written_at = time.time()
         pipe = self.redis.pipeline(transaction=False)
         it = iter(replies)
         for tenant, bucket, sub_ids, refs, stored in writes:
@@ -746,7 +763,8 @@ class Executor:
                     entries.append((sid, reply[2 * j].decode(), reply[2 * j + 1].decode(),
                                     refs[a + j]))
             pipe.publish(names.NOTIFY_CHANNEL, wire.encode_notification(wire.HistoryAppended(
-                tenant=tenant, bucket=bucket, entries=entries, records=stored)))
+                tenant=tenant, bucket=bucket, entries=entries, records=stored, sent_at=sent_at,
+                written_at=written_at)))
         for tenant, subs in notify.items():
             pipe.publish(names.NOTIFY_CHANNEL, wire.encode_notification(
                 wire.SubsChanged(tenant=tenant, subs=sorted(subs))))
@@ -864,6 +882,14 @@ class Executor:
 
     def _match_group(self, group: list[wire.ObjectBatch], pipe: Any,
                      notify: dict[str, set[str]]) -> None:
+        started = time.perf_counter()
+        try:
+            self._match_group_in(group, pipe, notify)
+        finally:
+            self.hops.observe("match", time.perf_counter() - started, sum(map(len, group)))
+
+    def _match_group_in(self, group: list[wire.ObjectBatch], pipe: Any,
+                        notify: dict[str, set[str]]) -> None:
         for msg in group:
             kept = records_of(msg)
             if kept is not None:

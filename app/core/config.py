@@ -93,6 +93,9 @@ class Settings(BaseSettings):
     ws_poll_s: float = 30.0  # safety re-read of every listened history (notifications may be lost)
     ws_send_timeout_s: float = 10.0  # a frame not taken within this closes the socket (1013)
     ws_max_message_bytes: int = 64 * 1024
+    # permessage-deflate for clients that offer it: fewer bytes on slow links, but compressing
+    # every frame cost the api process more CPU than anything else it does per match
+    ws_compression: bool = False
     ws_allowed_origins: Annotated[list[str], NoDecode] = []  # empty: any Origin
     max_deliveries: int = 5  # a stream entry delivered more often goes to the dead-letter stream
     workers: Annotated[list[str], NoDecode] = ["w0", "w1"]  # executor ids of the initial plan

@@ -1,5 +1,6 @@
 """Prometheus metrics of an api process (each api process serves its own /metrics), and the
-cluster's dead letters and archive figures, which it reads from Redis."""
+cluster's dead letters and the workers' and runners' heartbeat figures, which it reads from
+Redis."""
 
 from __future__ import annotations
 
@@ -11,11 +12,12 @@ import orjson
 import redis.asyncio as aioredis
 import redis.exceptions
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from app.pipeline import names
+from app.pipeline.hops import HopTimes, cumulative, read_doc
 
 OBJECTS_ACCEPTED = Counter("geoswarm_objects_accepted_total", "Objects accepted (202)")
 PUBLISH_SECONDS = Histogram("geoswarm_publish_seconds", "Time to validate and queue a batch",
@@ -32,6 +34,29 @@ COUNT_QUERIES = Counter("geoswarm_count_queries_total",
                         "per-cell counts (metadata) or by the workers", ["path"])
 QUOTA_REFUSED = Counter("geoswarm_quota_refused_total", "Requests refused by a tenant quota",
                         ["quota"])
+
+
+# This api process's hops of the live path (app.pipeline.hops): validate and append for the
+# objects it accepts, notify, send and total for the matches its hub pushes.
+HOPS = HopTimes()
+
+
+class Hops(Collector):
+    """`geoswarm_hop_seconds{hop}`: this api process's hops (HOPS)."""
+
+    def collect(self) -> Iterable[Metric]:
+        m = HistogramMetricFamily("geoswarm_hop_seconds", "Seconds objects (or matches) took "
+                                  "on a hop of the live path in this api process",
+                                  labels=["hop"])
+        for hop, (counts, total) in sorted(read_doc(HOPS.doc()).items()):
+            m.add_metric([hop], cumulative(counts), total)
+        yield m
+
+    def describe(self) -> Iterable[Metric]:
+        return []
+
+
+REGISTRY.register(Hops())
 
 
 class DeadLetters(Collector):
@@ -72,15 +97,17 @@ DEAD_LETTERS = DeadLetters()
 REGISTRY.register(DEAD_LETTERS)
 
 
-class ArchiveFigures(Collector):
-    """The archive's flush and the query runners, as the workers and runners report them in
-    their heartbeats (neither serves /metrics): per worker, buckets flushed by its process,
-    how late the last one was (seconds after its bucket left the window) and its archive cut;
-    per runner, archive query parts answered, failed and running, and the rows and bytes its
-    Spark scans read; the parts waiting in the job stream. Read before each scrape."""
+class HeartbeatFigures(Collector):
+    """What the workers and query runners report in their heartbeats (neither serves
+    /metrics): per worker, its hops of the live path (app.pipeline.hops), the buckets its
+    process flushed to the archive, how late the last one was (seconds after its bucket left
+    the window) and its archive cut; per runner, archive query parts answered, failed and
+    running, and the rows and bytes its Spark scans read; the parts waiting in the job stream.
+    Read before each scrape."""
 
     def __init__(self) -> None:
         self.workers: dict[str, dict[str, Any]] = {}
+        self.hops: dict[str, dict[str, tuple[list[int], float]]] = {}
         self.runners: dict[str, dict[str, Any]] = {}
         self.queued: int | None = None
 
@@ -92,9 +119,11 @@ class ArchiveFigures(Collector):
         try:
             workers, runners, queued = await asyncio.wait_for(pipe.execute(), timeout)
         except (redis.exceptions.RedisError, OSError, TimeoutError):
-            self.workers, self.runners, self.queued = {}, {}, None
+            self.workers, self.hops, self.runners, self.queued = {}, {}, {}, None
             return
-        self.workers = {k: doc.get("archive") or {} for k, doc in _docs(workers)}
+        docs = _docs(workers)
+        self.workers = {k: doc.get("archive") or {} for k, doc in docs}
+        self.hops = {k: read_doc(doc.get("hops")) for k, doc in docs}
         self.runners = dict(_docs(runners))
         self.queued = int(queued)
 
@@ -129,6 +158,14 @@ class ArchiveFigures(Collector):
                 if isinstance(fig.get(field), int | float):
                     m.add_metric([r], float(fig[field]))
             yield m
+        hops = HistogramMetricFamily(
+            "geoswarm_worker_hop_seconds", "Seconds objects took on a worker's hops of the "
+            "live path (queued, match, write), as its heartbeat reports them",
+            labels=["hop", "worker"])
+        for w, per_hop in sorted(self.hops.items()):
+            for hop, (counts, total) in sorted(per_hop.items()):
+                hops.add_metric([hop, w], cumulative(counts), total)
+        yield hops
         if self.queued is not None:
             yield GaugeMetricFamily("geoswarm_archive_jobs_queued",
                                     "Archive query parts in the job stream", value=self.queued)
@@ -149,5 +186,5 @@ def _docs(raw: dict[Any, Any]) -> list[tuple[Any, dict[str, Any]]]:
     return out
 
 
-ARCHIVE_FIGURES = ArchiveFigures()
-REGISTRY.register(ARCHIVE_FIGURES)
+HEARTBEAT_FIGURES = HeartbeatFigures()
+REGISTRY.register(HEARTBEAT_FIGURES)

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
@@ -21,7 +22,7 @@ import orjson
 import redis.asyncio as aioredis
 import redis.exceptions
 
-from app.core.metrics import WS_CLOSED, WS_CONNECTIONS, WS_MESSAGES
+from app.core.metrics import HOPS, WS_CLOSED, WS_CONNECTIONS, WS_MESSAGES
 from app.pipeline import names, wire
 
 if TYPE_CHECKING:
@@ -279,23 +280,31 @@ class Outbox:
     """The messages waiting in memory for one connection, and their size in bytes (both are
     bounded: ws_queue_max, ws_queue_max_bytes)."""
 
-    __slots__ = ("lines", "bytes")
+    __slots__ = ("lines", "bytes", "stamps")
 
     def __init__(self) -> None:
         self.lines: list[bytes] = []
         self.bytes = 0
+        # pushed matches: (when the hub got them, when their batch was appended, how many),
+        # for the hops `send` and `total` (app.pipeline.hops)
+        self.stamps: list[tuple[float, float, int]] = []
 
     def append(self, line: bytes) -> None:
         self.lines.append(line)
         self.bytes += len(line)
 
-    def extend(self, lines: list[bytes], size: int | None = None) -> None:
+    def extend(self, lines: list[bytes], size: int | None = None,
+               stamp: tuple[float, float] | None = None) -> None:
         self.lines.extend(lines)
         self.bytes += sum(map(len, lines)) if size is None else size
+        if stamp is not None:
+            self.stamps.append((*stamp, len(lines)))
 
-    def take(self) -> list[bytes]:
-        lines, self.lines, self.bytes = self.lines, [], 0
-        return lines
+    def take(self) -> tuple[list[bytes], list[tuple[float, float, int]]]:
+        """The lines waiting, and the stamps of the pushed matches among them."""
+        lines, stamps = self.lines, self.stamps
+        self.lines, self.bytes, self.stamps = [], 0, []
+        return lines, stamps
 
     def __len__(self) -> int:
         return len(self.lines)
@@ -429,6 +438,10 @@ class Hub:
         reads the history stream (its pump), so nothing is skipped or sent twice."""
         tenant = note.tenant
         records = note.records
+        received = time.time()
+        if note.written_at:
+            HOPS.observe("notify", received - note.written_at)
+        stamp = (received, note.sent_at) if note.sent_at else None
         all_conns = self.all_by_tenant.get(tenant, ())
         limit = self.settings.ws_queue_max
         limit_bytes = self.settings.ws_queue_max_bytes or math.inf
@@ -467,7 +480,7 @@ class Hub:
                     conn.mark((sub,))
                     continue
                 conn.positions[sub] = (key[0], key[1], last_index)
-                conn.outbox.extend(lines, size)
+                conn.outbox.extend(lines, size, stamp)
                 WS_MESSAGES.labels("push").inc(len(lines))
                 conn.wake.set()
 
@@ -536,7 +549,7 @@ class Hub:
             if conn.closed is not None:
                 break
             if conn.outbox:
-                await self._send(conn, conn.outbox.take())
+                await self._send_outbox(conn)
             subs = list(conn.dirty)
             conn.dirty.clear()
             if conn.listen_all_from is not None:
@@ -580,9 +593,18 @@ class Hub:
                 if conn.outbox:
                     # Pushed while the pump was busy (a send the client was slow to take):
                     # it comes before what was read, which starts where the pushes ended.
-                    await self._send(conn, conn.outbox.take())
+                    await self._send_outbox(conn)
                 WS_MESSAGES.labels("read").inc(len(lines))
                 await self._send(conn, lines)
+
+    async def _send_outbox(self, conn: Connection) -> None:
+        lines, stamps = conn.outbox.take()
+        await self._send(conn, lines)
+        if stamps:
+            sent = time.time()
+            for received, sent_at, n in stamps:
+                HOPS.observe("send", sent - received, n)
+                HOPS.observe("total", sent - sent_at, n)
 
     async def _send(self, conn: Connection, lines: list[bytes]) -> None:
         chunk = 200

@@ -402,14 +402,19 @@ AppendedEntry = tuple[str, str, str, bytes]
 
 
 class HistoryAppended(msgspec.Struct, tag="h", tag_field="t", rename={
-        "tenant": "tn", "bucket": "b", "entries": "e", "records": "r"}):
+        "tenant": "tn", "bucket": "b", "entries": "e", "records": "r", "sent_at": "sa",
+        "written_at": "wa"}):
     """New history entries with the records they reference, so that a hub can push them to
-    caught-up clients without reading the history streams."""
+    caught-up clients without reading the history streams. `sent_at`: when the oldest batch
+    of the worker's step was appended to its stream; `written_at`: when the entries were
+    written (the hops of `app.pipeline.hops`; 0: not known)."""
 
     tenant: str
     bucket: int
     entries: list[AppendedEntry]
     records: dict[str, bytes]
+    sent_at: float = 0.0
+    written_at: float = 0.0
 
 
 class SubsChanged(msgspec.Struct, tag="s", tag_field="t", rename={

@@ -159,6 +159,45 @@ def test_exact_delivery_random_workload(pipeline: LiveServer) -> None:
     asyncio.run(_exact_workload(pipeline, seed=7))
 
 
+def test_metrics_break_the_path_down_by_hop(pipeline: LiveServer) -> None:
+    """Every hop of the live path is measured on /metrics once objects were published and
+    their matches pushed: the api's (validate, append, notify, send, total) and each
+    worker's (queued, match, write, from its heartbeat)."""
+    from bench.pipeline import HOP_ORDER, hop_counts
+
+    server = pipeline
+    key = server.new_key()
+    before = hop_counts(server.base_url)
+
+    async def scenario() -> int:
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=30) as client:
+            _ids, listener = await subscribe_listening(
+                server, client, key, [{"type": "range", "bbox": [-180, -90, 180, 90]}])
+            objs = [{"lon": random.uniform(-170, 170), "lat": random.uniform(-80, 80)}
+                    for _ in range(40)]
+            r = await client.post("/v1/objects", json={"objects": objs}, headers=auth(key))
+            assert r.status_code == 202, r.text
+            await wait_for(lambda: len(listener.matches()) >= len(objs), 30)
+            await listener.close()
+            return len(listener.matches())
+
+    delivered = asyncio.run(scenario())
+    assert delivered == 40
+    time.sleep(1.5)  # the workers' heartbeats carry their hops
+    after = hop_counts(server.base_url)
+    for hop in HOP_ORDER:
+        counts, total_s = after[hop]
+        old = before.get(hop, ([0] * len(counts), 0.0))
+        n = sum(counts) - sum(old[0])
+        assert n > 0 and total_s > old[1], (hop, n)
+    # the objects published were measured once each by the api's hops
+    for hop in ("validate", "append"):
+        assert sum(after[hop][0]) - sum(before.get(hop, ([0], 0.0))[0]) == 40, hop
+    text = httpx.get(server.base_url + "/metrics", timeout=10).text
+    assert 'geoswarm_worker_hop_seconds_count{hop="match",worker="w' in text
+    assert 'geoswarm_hop_seconds_bucket{hop="total",le="+Inf"}' in text
+
+
 def test_moving_object_position_is_last_writer_wins(pipeline: LiveServer) -> None:
     key = pipeline.new_key()
     h = auth(key)

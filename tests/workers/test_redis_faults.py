@@ -205,6 +205,9 @@ class CuttingProxy:
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.port = self.listener.getsockname()[1]
         self.stopped = False
+        # cuts start when armed: with an outage, a cut during the workers' start would make
+        # the scenario's own setup (its key, its subscriptions) answer 503, as it should
+        self.armed = not outage_s
         threading.Thread(target=self._accept, daemon=True).start()
 
     def _accept(self) -> None:
@@ -229,6 +232,8 @@ class CuttingProxy:
         if b"\r\nEXEC\r\n" not in data and b"\r\nEVALSHA\r\n" not in data.upper():
             return False
         if self.only is not None and self.only not in data:
+            return False
+        if not self.armed:
             return False
         with self.lock:
             self.seen += 1
@@ -295,6 +300,7 @@ async def _lost_replies(server: LiveServer, proxy: CuttingProxy) -> None:
     oracle = Oracle()
     async with httpx.AsyncClient(base_url=server.base_url, timeout=60) as client:
         ids = await create_subs(client, key, random_subs(rng, 60), oracle)
+        proxy.armed = True
         movers = [f"m{i}" for i in range(20)]
         clock = [1_700_000_000.0]
         for _ in range(40):

@@ -5,6 +5,7 @@ clients (1013), peers that stop answering pings, and poison stream entries (dead
 from __future__ import annotations
 
 import asyncio
+import signal
 import struct
 import time
 from pathlib import Path
@@ -206,3 +207,25 @@ def test_peer_that_stops_answering_pings_is_closed(tmp_path: Path, embedded_redi
         asyncio.run(run())
     finally:
         s.stop()
+
+
+def test_frames_are_compressed_only_when_configured(server: LiveServer, tenant_key: str) -> None:
+    """permessage-deflate is off by default (its CPU is the api's on every frame), even for
+    a client that offers it; GEOSWARM_WS_COMPRESSION=true turns it on."""
+    from app.core.processes import wait_until_ok
+    from app.core.redis import free_port
+
+    async def extensions(ws_url: str) -> str | None:
+        async with websockets.connect(f"{ws_url}/v1/stream?token={tenant_key}") as ws:
+            return ws.response.headers.get("Sec-WebSocket-Extensions")
+
+    assert asyncio.run(extensions(server.ws_url)) is None
+    port = free_port()
+    proc = server.spawn("api-deflate", ["api", "--port", str(port), "--no-migrate"],
+                        env={"GEOSWARM_WS_COMPRESSION": "true"})
+    try:
+        assert wait_until_ok(f"http://127.0.0.1:{port}/readyz", proc)
+        got = asyncio.run(extensions(f"ws://127.0.0.1:{port}"))
+        assert got is not None and "permessage-deflate" in got
+    finally:
+        server.kill("api-deflate", signal.SIGTERM)

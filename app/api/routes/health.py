@@ -12,7 +12,7 @@ from starlette.concurrency import run_in_threadpool
 
 from app.api.deps import StateDep
 from app.api.openapi import RETRY_AFTER
-from app.core.metrics import ARCHIVE_FIGURES, DEAD_LETTERS
+from app.core.metrics import DEAD_LETTERS, HEARTBEAT_FIGURES
 from app.schemas import Readiness
 
 router = APIRouter(tags=["health"])
@@ -65,5 +65,5 @@ async def readyz(state: StateDep) -> Response:
 async def metrics(state: StateDep) -> Response:
     """Prometheus text exposition."""
     await DEAD_LETTERS.refresh(state.redis)
-    await ARCHIVE_FIGURES.refresh(state.redis)
+    await HEARTBEAT_FIGURES.refresh(state.redis)
     return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
