@@ -453,19 +453,23 @@ def dev(
 def bench(
     ctx: typer.Context,
     name: Annotated[str, typer.Argument(
-        help="matcher | pipeline | swarm | soak | snapshot | knn | archive")] = "--help",
+        help="matcher | pipeline | geofence | swarm | soak | snapshot | knn | archive")] = "--help",
 ) -> None:
     """Benchmarks (bench/): `matcher` (the evaluator index against brute force), `pipeline`
-    (the whole system over HTTP and WebSockets), `swarm` (SWARM §6.2: SWARM against its
-    baselines through hotspots), `soak` (every process's memory under a steady load for N
-    minutes), `snapshot` (snapshot queries against Redis GEOSEARCH on the same points), `knn`
-    (a worker's continuous kNN lists: incremental against a full rescan) or `archive` (queries
-    over the Parquet archive through Spark, before and after AQWA's compaction).
+    (the whole system over HTTP and WebSockets), `geofence` (moving objects and fences around
+    US cities, end to end, beside Tile38's figures on that workload), `swarm` (SWARM §6.2:
+    SWARM against its baselines through hotspots), `soak` (every process's memory under a
+    steady load for N minutes), `snapshot` (snapshot queries against Redis GEOSEARCH on the
+    same points), `knn` (a worker's continuous kNN lists: incremental against a full rescan)
+    or `archive` (queries over the Parquet archive through Spark, before and after AQWA's
+    compaction).
     `geoswarm bench NAME --help` lists options."""
     if name == "matcher":
         from bench.matcher import main as bench_main
     elif name == "pipeline":
         from bench.pipeline import main as bench_main
+    elif name == "geofence":
+        from bench.geofence import main as bench_main
     elif name == "swarm":
         from bench.swarm import main as bench_main
     elif name == "soak":
@@ -481,7 +485,7 @@ def bench(
         typer.echo(ctx.get_help())
         return
     else:
-        typer.echo(f"unknown benchmark {name!r}: choose matcher, pipeline, swarm, soak, "
+        typer.echo(f"unknown benchmark {name!r}: choose matcher, pipeline, geofence, swarm, soak, "
                    "snapshot, knn or archive", err=True)
         raise typer.Exit(2)
     bench_main(list(ctx.args))
