@@ -202,5 +202,5 @@ def test_cli_passes_help_to_the_benchmark() -> None:
     r = run("swarm", "--help")
     assert r.returncode == 0 and "--simulate" in r.stdout, r.stdout + r.stderr
     r = run("--help")
-    assert r.returncode == 0 and "matcher | pipeline | swarm" in r.stdout
+    assert r.returncode == 0 and "matcher | pipeline | geofence | swarm" in r.stdout
     assert run("nosuch").returncode == 2
