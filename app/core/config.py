@@ -86,6 +86,10 @@ class Settings(BaseSettings):
     ws_queue_max: int = 50_000
     # the same bound in bytes, 0: none (a few big matches fill memory long before 50 000 small)
     ws_queue_max_bytes: int = 16 * 1024 * 1024
+    # matches a connection could not take when they came (full outbox, behind) are kept in
+    # the api process up to this many bytes, and sent from there instead of read back from
+    # Redis (0: always read back)
+    ws_recent_bytes: int = 64 * 1024 * 1024
     ws_ping_s: float = 20.0
     # a client whose oldest unread match has waited this long is closed (1013); quiet
     # subscriptions never count, since nothing of theirs is unread

@@ -13,6 +13,7 @@ import contextlib
 import logging
 import math
 import time
+from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
@@ -276,6 +277,60 @@ class ConnectionClosed(Exception):
         self.reason = reason
 
 
+@dataclass(slots=True)
+class Recent:
+    """A history entry as its notification told it (`RecentEntries`)."""
+
+    key: tuple[int, int]
+    eid: str
+    packed: bytes  # its wire.MatchRefs
+    records: dict[str, bytes]  # the records of its notification (shared by its entries)
+
+
+class RecentEntries:
+    """The entries of recent notifications that a connection could not take when they came
+    (its outbox was full, or it was behind on that subscription), with the records they
+    reference. Its pump catches up from here, in order, instead of reading the history
+    streams, while they are here: bounded in bytes, the oldest notifications' entries go first,
+    and what is gone is read from Redis."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.by_sub: dict[str, dict[tuple[int, int], Recent]] = {}  # by the previous entry
+        self.notes: deque[tuple[list[tuple[str, tuple[int, int]]], int]] = deque()
+        self.bytes = 0
+
+    def add(self, kept: list[tuple[str, tuple[int, int], Recent]],
+            records: dict[str, bytes]) -> None:
+        """Keep the entries of one notification (`kept`: subscription, previous entry id,
+        entry), then forget the oldest notifications' beyond the bound."""
+        size = sum(map(len, records.values())) + sum(len(r.packed) + 200 for _, _, r in kept)
+        if size > self.max_bytes:
+            return
+        for sub, prev, recent in kept:
+            self.by_sub.setdefault(sub, {})[prev] = recent
+        self.notes.append(([(sub, prev) for sub, prev, _ in kept], size))
+        self.bytes += size
+        while self.bytes > self.max_bytes:
+            gone, size = self.notes.popleft()
+            self.bytes -= size
+            for sub, prev in gone:
+                waiting = self.by_sub.get(sub)
+                if waiting is not None:
+                    waiting.pop(prev, None)
+                    if not waiting:
+                        del self.by_sub[sub]
+
+    def after(self, sub: str, pos: Position) -> Recent | None:
+        """The entry that follows position `pos` of `sub`, if it is here."""
+        waiting = self.by_sub.get(sub)
+        if not waiting:
+            return None
+        if is_start(pos):
+            return next((r for prev, r in waiting.items() if caught_up(pos, prev, r.key)), None)
+        return waiting.get((pos[0], pos[1]))
+
+
 class Outbox:
     """The messages waiting in memory for one connection, and their size in bytes (both are
     bounded: ws_queue_max, ws_queue_max_bytes)."""
@@ -322,15 +377,34 @@ class Connection:
     # unlistened while listening to all: never listened to again implicitly (only by a
     # `listen` naming them), or their next match would replay them from listen_all_from
     excluded: set[str] = field(default_factory=set)
-    dirty: set[str] = field(default_factory=set)
+    dirty: set[str] = field(default_factory=set)  # to deliver: from memory, or read
+    must_read: set[str] = field(default_factory=set)  # of those: read from the histories
+    # of the others: the newest entry a notification announced (RecentEntries has it)
+    expect: dict[str, tuple[int, int]] = field(default_factory=dict)
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     outbox: Outbox = field(default_factory=Outbox)
     closed: tuple[int, str] | None = None
     slot: str | None = None  # its slot in the tenant's connection quota (services.quotas)
 
     def mark(self, subs: Iterable[str]) -> None:
+        """Read these subscriptions' histories (what is new is not known here)."""
+        subs = list(subs)
         self.dirty.update(subs)
+        self.must_read.update(subs)
         self.wake.set()
+
+    def mark_recent(self, sub: str, key: tuple[int, int]) -> None:
+        """Entry `key` of `sub` could not be pushed: it and those before it are delivered
+        from the hub's recent entries (or read, if they are not all there)."""
+        self.dirty.add(sub)
+        if key > self.expect.get(sub, (0, 0)):
+            self.expect[sub] = key
+        self.wake.set()
+
+    def forget(self, sub: str) -> None:
+        self.dirty.discard(sub)
+        self.must_read.discard(sub)
+        self.expect.pop(sub, None)
 
     def close_soon(self, code: int, reason: str) -> None:
         if self.closed is None:
@@ -346,6 +420,7 @@ class Hub:
         self.conns: set[Connection] = set()
         self.by_sub: dict[str, set[Connection]] = {}
         self.all_by_tenant: dict[str, set[Connection]] = {}
+        self.recent = RecentEntries(self.settings.ws_recent_bytes)
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -445,6 +520,8 @@ class Hub:
         all_conns = self.all_by_tenant.get(tenant, ())
         limit = self.settings.ws_queue_max
         limit_bytes = self.settings.ws_queue_max_bytes or math.inf
+        keep = self.recent.max_bytes > 0
+        kept: list[tuple[str, tuple[int, int], Recent]] = []
         for sub, prev_id, eid, packed in note.entries:
             conns = self.by_sub.get(sub)
             if not conns and not all_conns:
@@ -454,6 +531,7 @@ class Hub:
             lines: list[bytes] | None = None
             size = 0
             last_index = 0
+            missed = False  # a connection could not take it now
             for conn in (*(conns or ()), *all_conns):
                 pos = conn.positions.get(sub)
                 if pos is None:
@@ -461,11 +539,13 @@ class Hub:
                             or sub in conn.excluded):
                         continue
                     pos = conn.listen_all_from
-                    self.listen(conn, {sub: pos}, pos[0])
+                    self.listen(conn, {sub: pos}, pos[0], read=not keep)
                 if (pos[0], pos[1]) >= key:
                     continue  # already delivered by the pump
                 if not caught_up(pos, prev, key):
-                    conn.mark((sub,))
+                    # behind: what comes before it is still to be delivered (by the pump)
+                    self._missed(conn, sub, key, keep)
+                    missed = True
                     continue
                 if lines is None:
                     refs = wire.decode_refs(packed)
@@ -474,15 +554,27 @@ class Hub:
                     last_index = max(0, len(refs.record_ids) - 1)
                 if (len(conn.outbox) + len(lines) > limit
                         or conn.outbox.bytes + size > limit_bytes):
-                    # The in-memory queue is full (in messages or in bytes): this client reads
-                    # from the history stream at its own pace instead (and is closed if it
-                    # falls too far behind).
-                    conn.mark((sub,))
+                    # The in-memory queue is full (in messages or in bytes): the pump sends
+                    # this once it has room, from the recent entries or from the history
+                    # stream (and closes the connection if it falls too far behind).
+                    self._missed(conn, sub, key, keep)
+                    missed = True
                     continue
                 conn.positions[sub] = (key[0], key[1], last_index)
                 conn.outbox.extend(lines, size, stamp)
                 WS_MESSAGES.labels("push").inc(len(lines))
                 conn.wake.set()
+            if missed and keep:
+                kept.append((sub, prev, Recent(key, eid, packed, records)))
+        if kept:
+            self.recent.add(kept, records)
+
+    @staticmethod
+    def _missed(conn: Connection, sub: str, key: tuple[int, int], keep: bool) -> None:
+        if keep:
+            conn.mark_recent(sub, key)
+        else:
+            conn.mark((sub,))
 
     async def key_revoked(self, key_id: str) -> None:
         await self.redis.publish(names.REVOKED_CHANNEL, wire.encode_json(wire.KeyRevoked(key_id)))
@@ -501,13 +593,18 @@ class Hub:
         if conn.listen_all_from is not None:
             self.all_by_tenant.get(conn.principal.tenant, set()).discard(conn)
 
-    def listen(self, conn: Connection, positions: dict[str, Position], at_ms: int) -> None:
+    def listen(self, conn: Connection, positions: dict[str, Position], at_ms: int,
+               read: bool = True) -> None:
+        """Deliver these subscriptions from `positions` on (`read`: read their histories now;
+        not when the caller delivers the entry that made it listen)."""
         for sub, pos in positions.items():
             conn.excluded.discard(sub)
+            conn.expect.pop(sub, None)
             conn.positions[sub] = pos
             conn.listened_ms[sub] = at_ms
             self.by_sub.setdefault(sub, set()).add(conn)
-        conn.mark(positions)
+        if read:
+            conn.mark(positions)
 
     def listen_all(self, conn: Connection, start: Position) -> None:
         if conn.listen_all_from is None:
@@ -518,7 +615,7 @@ class Hub:
         for sub in subs:
             conn.positions.pop(sub, None)
             conn.listened_ms.pop(sub, None)
-            conn.dirty.discard(sub)
+            conn.forget(sub)
             listeners = self.by_sub.get(sub)
             if listeners is not None:
                 listeners.discard(conn)
@@ -544,7 +641,7 @@ class Hub:
             try:
                 await asyncio.wait_for(conn.wake.wait(), timeout=s.ws_poll_s)
             except TimeoutError:
-                conn.dirty.update(conn.positions)  # a missed notification costs ≤ poll
+                conn.mark(conn.positions)  # a missed notification costs ≤ poll
             conn.wake.clear()
             if conn.closed is not None:
                 break
@@ -556,7 +653,55 @@ class Hub:
                 for sub in subs:
                     if sub not in conn.positions and sub not in conn.excluded:
                         self.listen(conn, {sub: conn.listen_all_from}, conn.listen_all_from[0])
+            subs = self.catch_up(conn, subs, s.ws_queue_max)
+            if conn.outbox:
+                await self._send_outbox(conn)
             await self.deliver(conn, subs, s.ws_queue_max)
+
+    def catch_up(self, conn: Connection, subs: list[str], budget: int) -> list[str]:
+        """Deliver from the recent entries, into the outbox, what the pushes missed; the
+        subscriptions that must be read from their histories instead. Within the outbox's
+        bounds (and at most HISTORY_LINES_PER_READ matches): what does not fit stays marked
+        for the next round."""
+        to_read: list[str] = []
+        room = min(budget, self.settings.ws_queue_max, HISTORY_LINES_PER_READ)
+        room_bytes = self.settings.ws_queue_max_bytes or math.inf
+        outbox = conn.outbox
+        n = 0
+        for i, sub in enumerate(subs):
+            pos = conn.positions.get(sub)
+            want = conn.expect.pop(sub, None)
+            if pos is None or sub in conn.must_read or want is None:
+                conn.must_read.discard(sub)
+                if pos is not None:
+                    to_read.append(sub)
+                continue
+            sub_json = orjson.dumps(sub)
+            full = False
+            while (pos[0], pos[1]) < want:
+                entry = self.recent.after(sub, pos)
+                if entry is None:
+                    break
+                refs = wire.decode_refs(entry.packed)
+                lines = render_matches(sub_json, entry.eid, refs, entry.records)
+                size = sum(map(len, lines))
+                if outbox and (len(outbox) + len(lines) > room
+                               or outbox.bytes + size > room_bytes):
+                    full = True  # (an entry larger than the bounds goes alone)
+                    break
+                outbox.extend(lines, size)
+                n += len(lines)
+                pos = (entry.key[0], entry.key[1], max(0, len(refs.record_ids) - 1))
+                conn.positions[sub] = pos
+            if full:  # this one and the rest in the next round, as they were marked
+                conn.mark_recent(sub, want)
+                conn.dirty.update(subs[i + 1:])
+                break
+            if (pos[0], pos[1]) < want:
+                to_read.append(sub)  # not all here (forgotten, or another's still to come)
+        if n:
+            WS_MESSAGES.labels("recent").inc(n)
+        return to_read
 
     async def deliver(self, conn: Connection, subs: list[str], budget: int) -> None:
         tenant = conn.principal.tenant

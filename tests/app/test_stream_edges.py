@@ -149,12 +149,14 @@ QUEUE_BYTES = 64 * 1024
 PAD = "p" * 3500  # props of about 3.5 KB: a match message is about 3.6 KB
 
 
-@pytest.fixture(scope="module")
-def byte_bound_app(tmp_path_factory: pytest.TempPathFactory, embedded_redis: EmbeddedRedis
-                   ) -> Iterator[InProcessServer]:
+@pytest.fixture(scope="module", params=["recent", "read"])
+def byte_bound_app(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
+                   embedded_redis: EmbeddedRedis) -> Iterator[InProcessServer]:
     """A small byte bound, a message bound far away, and patience with a slow client (it is
-    neither closed for a send that does not complete nor for lag, and nothing is trimmed)."""
-    with start_inprocess(tmp_path_factory.mktemp("queue-bytes"), embedded_redis.url,
+    neither closed for a send that does not complete nor for lag, and nothing is trimmed).
+    What does not fit in the queue is kept in the api (`recent`) or read back (`read`)."""
+    recent = {} if request.param == "recent" else {"GEOSWARM_WS_RECENT_BYTES": "0"}
+    with start_inprocess(tmp_path_factory.mktemp("queue-bytes"), embedded_redis.url, **recent,
                          GEOSWARM_WS_QUEUE_MAX_BYTES=str(QUEUE_BYTES),
                          GEOSWARM_WS_QUEUE_MAX="50000", GEOSWARM_WS_SEND_TIMEOUT_S="300",
                          GEOSWARM_WS_MAX_LAG_S="600", GEOSWARM_HISTORY_MAX_AGE_S="600") as s:
@@ -176,7 +178,9 @@ def test_big_matches_for_a_client_that_does_not_read_stay_within_the_byte_bound(
     s = byte_bound_app
     api = Api(s)
     sid = api.subscribe({"type": "range", "bbox": [60, 60, 61, 61]})["id"]
-    read_before = WS_MESSAGES.labels("read")._value.get()
+    path = "recent" if s.app.state.gs.settings.ws_recent_bytes else "read"
+    other = "read" if path == "recent" else "recent"
+    before = {p: WS_MESSAGES.labels(p)._value.get() for p in (path, other)}
     history = redis.Redis.from_url(s.redis_url)
     # a client that holds one unread frame and then reads nothing: the server's sends block
     ws = AsgiWebSocket(s, query=f"token={api.key}", max_frames=1).connect()
@@ -201,8 +205,10 @@ def test_big_matches_for_a_client_that_does_not_read_stay_within_the_byte_bound(
         assert [m["object"]["ts"] for m in got] == sent
         assert all(m["object"]["props"] == {"pad": PAD} for m in got)
         assert nothing_arrives(ws)
-        # what did not fit was read back from the history stream
-        assert WS_MESSAGES.labels("read")._value.get() > read_before
+        # what did not fit came from the api's recent entries, or was read back from the
+        # history stream, as configured
+        assert WS_MESSAGES.labels(path)._value.get() > before[path]
+        assert WS_MESSAGES.labels(other)._value.get() == before[other]
         assert ws.close_code is None
     finally:
         ws.close()

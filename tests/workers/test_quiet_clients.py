@@ -213,13 +213,19 @@ def test_resume_beyond_retention_gets_gap_and_goes_on(tmp_path: Path,
         s.stop()
 
 
-def test_connected_client_behind_the_retention_gets_gap(tmp_path: Path,
-                                                        embedded_redis: Any) -> None:
+@pytest.mark.parametrize("recent_bytes", ["0", "2000000", None],
+                         ids=["read-back", "recent-too-small", "recent"])
+def test_connected_client_behind_the_retention_gets_gap(tmp_path: Path, embedded_redis: Any,
+                                                        recent_bytes: str | None) -> None:
     """A connected client that stops reading while its history is trimmed past its position:
-    when it reads again it gets `gap` and then every retained match, never a silent loss."""
+    when it reads again it gets `gap` and then every retained match, never a silent loss.
+    Unless the api kept all it could not send (its recent entries, 64 MiB by default, hold
+    the 18 MB): then it gets every match, in order, once, and no gap."""
+    recent = {} if recent_bytes is None else {"GEOSWARM_WS_RECENT_BYTES": recent_bytes}
     s = start_server(tmp_path, embedded_redis.url, workers=1, GEOSWARM_HISTORY_MAX_LEN="5",
                      GEOSWARM_WS_QUEUE_MAX="10", GEOSWARM_WS_SEND_TIMEOUT_S="60",
-                     GEOSWARM_WS_PING_S="600")  # a client that reads nothing answers no ping
+                     GEOSWARM_WS_PING_S="600",  # a client that reads nothing answers no ping
+                     **recent)
     try:
         key = s.new_key()
         sid = _sub(s, key, {"type": "range", "bbox": [40, 40, 41, 41]})
@@ -243,6 +249,9 @@ def test_connected_client_behind_the_retention_gets_gap(tmp_path: Path,
         assert got == sorted(got) and len(set(got)) == len(got)  # in order, once
         assert set(got) <= set(sent_ts) and got[-1] == sent_ts[-1]
         gaps = [i for i, m in enumerate(messages) if m["type"] == "gap"]
+        if recent_bytes is None:
+            assert not gaps and got == sent_ts
+            return
         assert gaps, "matches were trimmed before they were read, the client must be told"
         missing = sorted(set(sent_ts) - set(got))
         assert missing
