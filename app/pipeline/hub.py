@@ -32,7 +32,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+_PUSHED, _RECENT, _READ = (WS_MESSAGES.labels(path) for path in ("push", "recent", "read"))
+
 DETECT_NAMES = ("inside", "enter", "exit")
+_DETECT = tuple(name.encode() for name in DETECT_NAMES)
 SHUTDOWN_STEP_S = 5.0
 MAX_SEQ = 18446744073709551615
 
@@ -211,15 +214,11 @@ def render_matches(sub_json: bytes, eid: str, refs: wire.MatchRefs,
                    recs: Mapping[str, bytes | None], after: int = -1) -> list[bytes]:
     """The match messages of one history entry, skipping indexes up to `after`."""
     rids, codes = refs.record_ids, refs.detect
-    lines = []
     prefix = b'{"type":"match","subscription":' + sub_json + b',"cursor":"' + eid.encode()
-    for idx in range(after + 1, len(rids)):
-        rec = recs.get(rids[idx])
-        if rec is None:
-            continue  # the record outlived its retention
-        lines.append(prefix + b":" + str(idx).encode() + b'","detect":"'
-                     + DETECT_NAMES[codes[idx]].encode() + b'","object":' + rec + b"}")
-    return lines
+    get = recs.get
+    # (a record that outlived its retention is left out)
+    return [b'%s:%d","detect":"%s","object":%s}' % (prefix, idx, _DETECT[codes[idx]], rec)
+            for idx in range(after + 1, len(rids)) if (rec := get(rids[idx])) is not None]
 
 
 def caught_up(pos: Position, prev: tuple[int, int], key: tuple[int, int]) -> bool:
@@ -353,7 +352,11 @@ class Outbox:
         self.lines.extend(lines)
         self.bytes += sum(map(len, lines)) if size is None else size
         if stamp is not None:
-            self.stamps.append((*stamp, len(lines)))
+            stamps = self.stamps
+            if stamps and stamps[-1][:2] == stamp:  # the same notification's: one stamp
+                stamps[-1] = (*stamp, stamps[-1][2] + len(lines))
+            else:
+                stamps.append((*stamp, len(lines)))
 
     def take(self) -> tuple[list[bytes], list[tuple[float, float, int]]]:
         """The lines waiting, and the stamps of the pushed matches among them."""
@@ -562,7 +565,7 @@ class Hub:
                     continue
                 conn.positions[sub] = (key[0], key[1], last_index)
                 conn.outbox.extend(lines, size, stamp)
-                WS_MESSAGES.labels("push").inc(len(lines))
+                _PUSHED.inc(len(lines))
                 conn.wake.set()
             if missed and keep:
                 kept.append((sub, prev, Recent(key, eid, packed, records)))
@@ -700,7 +703,7 @@ class Hub:
             if (pos[0], pos[1]) < want:
                 to_read.append(sub)  # not all here (forgotten, or another's still to come)
         if n:
-            WS_MESSAGES.labels("recent").inc(n)
+            _RECENT.inc(n)
         return to_read
 
     async def deliver(self, conn: Connection, subs: list[str], budget: int) -> None:
@@ -739,7 +742,7 @@ class Hub:
                     # Pushed while the pump was busy (a send the client was slow to take):
                     # it comes before what was read, which starts where the pushes ended.
                     await self._send_outbox(conn)
-                WS_MESSAGES.labels("read").inc(len(lines))
+                _READ.inc(len(lines))
                 await self._send(conn, lines)
 
     async def _send_outbox(self, conn: Connection) -> None:
