@@ -368,7 +368,8 @@ def dev(
     host: Annotated[str, typer.Option(help="bind address")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="HTTP port")] = 8000,
     workers: Annotated[int, typer.Option(help="executor worker processes")] = 2,
-    api_processes: Annotated[int, typer.Option(help="api processes sharing the port")] = 1,
+    api_processes: Annotated[int | None, typer.Option(
+        help="api processes sharing the port [default: one per core]")] = None,
 ) -> None:
     """The whole system on embedded defaults: Redis, SQLite, api, workers, coordinator."""
     import asyncio
@@ -381,6 +382,11 @@ def dev(
     _logging()
     if workers < 1:
         typer.echo("--workers must be at least 1", err=True)
+        raise typer.Exit(2)
+    if api_processes is None:
+        api_processes = os.cpu_count() or 1
+    if api_processes < 1:
+        typer.echo("--api-processes must be at least 1", err=True)
         raise typer.Exit(2)
     settings = get_settings()
     settings.data_dir.mkdir(parents=True, exist_ok=True)
@@ -431,7 +437,9 @@ def dev(
         if wait_until_ok(base + "/readyz"):
             where = f" (embedded, AOF in {settings.data_dir / 'redis'})" if server else ""
             typer.echo(f"\ngeoswarm is running at {base}\n  API docs:  {base}/docs\n"
-                       f"  admin key: {key}\n  redis:     {url}{where}\n{archive}"
+                       f"  admin key: {key}\n  redis:     {url}{where}\n"
+                       f"  processes: {api_processes} api, {workers} workers, a coordinator\n"
+                       f"{archive}"
                        "Stop with Ctrl-C.\n")
         else:
             typer.echo(f"geoswarm did not become ready at {base}/readyz", err=True)
