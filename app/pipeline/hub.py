@@ -284,6 +284,7 @@ class Recent:
     eid: str
     packed: bytes  # its wire.MatchRefs
     records: dict[str, bytes]  # the records of its notification (shared by its entries)
+    stamp: tuple[float, float] | None  # for the hops `send` and `total`, as a push's
 
 
 class RecentEntries:
@@ -568,7 +569,7 @@ class Hub:
                 _PUSHED.inc(len(lines))
                 conn.wake.set()
             if missed and keep:
-                kept.append((sub, prev, Recent(key, eid, packed, records)))
+                kept.append((sub, prev, Recent(key, eid, packed, records, stamp)))
         if kept:
             self.recent.add(kept, records)
 
@@ -692,7 +693,7 @@ class Hub:
                                or outbox.bytes + size > room_bytes):
                     full = True  # (an entry larger than the bounds goes alone)
                     break
-                outbox.extend(lines, size)
+                outbox.extend(lines, size, entry.stamp)
                 n += len(lines)
                 pos = (entry.key[0], entry.key[1], max(0, len(refs.record_ids) - 1))
                 conn.positions[sub] = pos
