@@ -111,6 +111,9 @@ def start_embedded_redis(settings: Settings, port: int | None = None,
         "--protected-mode", "yes",
         "--logfile", str(rdir / "redis.log"),
         "--maxclients", "10000",
+        # a hub that falls behind on notifications is disconnected beyond this (the default
+        # 32 MB is a few notifications of a burst); it then reads back what it missed
+        "--client-output-buffer-limit", "pubsub", "256mb", "64mb", "60",
     ]
     proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, start_new_session=False)
     deadline = time.monotonic() + timeout

@@ -16,15 +16,18 @@ import time
 from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 import orjson
 import redis.asyncio as aioredis
 import redis.exceptions
+from redis.asyncio.client import PubSub
+from starlette.concurrency import run_in_threadpool
 
 from app.core.metrics import HOPS, WS_CLOSED, WS_CONNECTIONS, WS_MESSAGES
 from app.pipeline import names, wire
+from app.services import subscriptions
 
 if TYPE_CHECKING:
     from app.core.security import Principal
@@ -416,6 +419,21 @@ class Connection:
         self.wake.set()
 
 
+class Subscriber(PubSub):
+    """The hub's pub/sub connection. The client reconnects by itself (and subscribes again)
+    when Redis drops the connection, as Redis does to a subscriber whose unread notifications
+    outgrow its output buffer: every (re)connection may have missed notifications, and the hub
+    reads back what they would have told (`Hub.recover`)."""
+
+    def __init__(self, hub: Hub) -> None:
+        super().__init__(hub.redis.connection_pool)
+        self.hub = hub
+
+    async def on_connect(self, connection: Any) -> None:
+        await super().on_connect(connection)
+        self.hub.reconnected()
+
+
 class Hub:
     def __init__(self, state: AppState) -> None:
         self.state = state
@@ -426,6 +444,7 @@ class Hub:
         self.all_by_tenant: dict[str, set[Connection]] = {}
         self.recent = RecentEntries(self.settings.ws_recent_bytes)
         self._task: asyncio.Task[None] | None = None
+        self._recovery: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         self._task = asyncio.create_task(self._listen_notifications(), name="hub-notify")
@@ -433,6 +452,8 @@ class Hub:
     async def stop(self) -> None:
         for conn in list(self.conns):
             conn.close_soon(1001, "server shutting down")
+        if self._recovery is not None:
+            self._recovery.cancel()
         if self._task is not None:
             self._task.cancel()
             # bounded: a shutdown must not hang on a pub/sub read that ignores cancellation
@@ -441,13 +462,10 @@ class Hub:
 
     async def _listen_notifications(self) -> None:
         while True:
-            pubsub = self.redis.pubsub()
+            pubsub = Subscriber(self)
             try:
                 await pubsub.subscribe(names.NOTIFY_CHANNEL, names.REVOKED_CHANNEL,
                                        names.SUBS_CHANNEL, names.PLAN_CHANNEL)
-                # A reconnect may have missed notifications: wake everyone once.
-                for conn in self.conns:
-                    conn.mark(conn.positions)
                 async for msg in pubsub.listen():
                     if msg.get("type") != "message":
                         continue
@@ -469,6 +487,53 @@ class Hub:
                 # its own connection, outside the client's pool: close it (bounded)
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(asyncio.shield(pubsub.aclose()), SHUTDOWN_STEP_S)
+
+    def reconnected(self) -> None:
+        if self._recovery is None or self._recovery.done():
+            self._recovery = asyncio.create_task(self.recover(), name="hub-recover")
+        else:  # one under way may have listed the subscriptions already: again after it
+            previous = self._recovery
+
+            async def after() -> None:
+                with contextlib.suppress(Exception):
+                    await previous
+                await self.recover()
+
+            self._recovery = asyncio.create_task(after(), name="hub-recover")
+
+    async def recover(self) -> None:
+        """After notifications may have been lost: every connection reads its subscriptions'
+        histories, and one listening to all its tenant's subscriptions also starts on those
+        it never heard of (a lost notification was their first)."""
+        for conn in self.conns:
+            conn.mark(conn.positions)
+        tenants = {conn.principal.tenant for conn in self.conns
+                   if conn.listen_all_from is not None and conn.closed is None}
+        for tenant in tenants:
+            try:
+                await self._discover(tenant)
+            except Exception:  # the next reconnect or poll tries again
+                log.exception("hub: listing the subscriptions of %s after lost notifications "
+                              "failed", tenant)
+
+    async def _discover(self, tenant: str) -> None:
+        def ids() -> list[str]:
+            with self.state.sessions() as session:
+                return subscriptions.tenant_ids(session, tenant)
+
+        subs = await run_in_threadpool(ids)
+        for i in range(0, len(subs), 1000):
+            chunk = subs[i:i + 1000]
+            lasts = await self.redis.mget([names.history_last_key(sub) for sub in chunk])
+            written = [sub for sub, last in zip(chunk, lasts, strict=True) if last is not None]
+            for conn in list(self.all_by_tenant.get(tenant, ())):
+                start = conn.listen_all_from
+                if start is None or conn.closed is not None:
+                    continue
+                new = {sub: start for sub in written
+                       if sub not in conn.positions and sub not in conn.excluded}
+                if new:
+                    self.listen(conn, new, start[0])
 
     async def _on_message(self, channel: str, data: bytes) -> None:
         try:

@@ -97,6 +97,11 @@ def list_page(
     return rows, (encode_cursor(rows[-1].seq) if more and rows else None)
 
 
+def tenant_ids(session: Session, tenant: str) -> list[str]:
+    """The ids of all the tenant's subscriptions (expired ones included)."""
+    return list(session.scalars(select(Subscription.id).where(Subscription.tenant == tenant)))
+
+
 def delete_one(session: Session, tenant: str, sub_id: str) -> Subscription | None:
     row = get(session, tenant, sub_id)
     if row is not None:
