@@ -35,7 +35,7 @@ from app.core.config import Settings
 from app.core.redis import start_embedded_redis
 from app.geo.geometry import bbox_contains, haversine_m
 from bench.cluster import LiveServer, start_server
-from bench.pipeline import Listener, cpu_seconds, subscribe
+from bench.pipeline import Listener, cpu_seconds, subscribe, until_quiet
 from bench.workload import KM_PER_DEG_LAT, _jitter, cities
 
 # Tile38 1.26.1, same workload and machine, end to end: fences -> updates/s
@@ -153,9 +153,7 @@ async def drive(server: LiveServer, fences: list[dict[str, Any]], n_objects: int
         await asyncio.gather(*(send(j) for j in range(len(bodies))))
         publish_s = time.time() - t0
         want = sum(expected.values())
-        deadline = time.monotonic() + 120
-        while sum(listener.got.values()) < want and time.monotonic() < deadline:
-            await asyncio.sleep(0.02)
+        await until_quiet(lambda: sum(listener.got.values()), want)
         end = listener.last if want else time.time()
         cpu = {k: round(v - cpu0.get(k, 0.0), 1) for k, v in cpu_seconds(server).items()}
         await asyncio.sleep(1.0)  # a duplicate or an extra would have come by now
