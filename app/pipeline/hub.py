@@ -512,7 +512,7 @@ class Hub:
         for tenant in tenants:
             try:
                 await self._discover(tenant)
-            except Exception:  # the next reconnect or poll tries again
+            except Exception:  # the next reconnect tries again
                 log.exception("hub: listing the subscriptions of %s after lost notifications "
                               "failed", tenant)
 
