@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sqlite3
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -11,6 +13,8 @@ from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.orm import Session, sessionmaker
 
 from app.core.config import Settings
+
+WAL_ATTEMPTS = 100  # 0.1 s apart: the switch to WAL waits up to 10 s for another process
 
 
 def make_engine(settings: Settings) -> Engine:
@@ -28,9 +32,17 @@ def make_engine(settings: Settings) -> Engine:
         def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
             cur = dbapi_conn.cursor()
             # WAL persists in the file: switching needs an exclusive lock, which another
-            # process starting at the same moment may hold ("database is locked")
-            if str(cur.execute("PRAGMA journal_mode").fetchone()[0]).lower() != "wal":
-                cur.execute("PRAGMA journal_mode=WAL")
+            # process starting at the same moment may hold ("database is locked", at once:
+            # SQLite does not wait for a lock upgrade that could deadlock), so try again
+            for attempt in range(WAL_ATTEMPTS):
+                try:
+                    if str(cur.execute("PRAGMA journal_mode").fetchone()[0]).lower() != "wal":
+                        cur.execute("PRAGMA journal_mode=WAL")
+                    break
+                except sqlite3.OperationalError as exc:
+                    if "locked" not in str(exc) or attempt == WAL_ATTEMPTS - 1:
+                        raise
+                    time.sleep(0.1)
             cur.execute("PRAGMA synchronous=NORMAL")
             cur.execute("PRAGMA foreign_keys=ON")
             cur.execute("PRAGMA busy_timeout=30000")
