@@ -193,12 +193,27 @@ def numpy_brute_force_match(
 # --------------------------------------------------------------------------------------------
 
 
-class _Csr:
-    """Frozen inverted lists: sorted unique int64 keys (cell << 32 | kw), offsets, sub slots."""
+_BLOOM_MIN_KEYS = 65_536
+"""A CSR with at least this many keys gets a Bloom filter in front of its binary search."""
 
-    __slots__ = ("ukeys", "off", "vals")
+_HASH_MUL = np.uint64(0x9E3779B97F4A7C15)
+"""Fibonacci hashing multiplier (2**64 / golden ratio, odd)."""
+
+
+class _Csr:
+    """Frozen inverted lists: sorted unique int64 keys (cell << 32 | kw), offsets, sub slots.
+
+    A large CSR also keeps a one-hash Bloom filter of its keys (16 bits per key, about 6 %
+    false positives): most keyword probes name a (cell, keyword) no sub has, and the filter
+    drops them before the binary search, whose cache misses over megabytes of keys dominate
+    the lookup otherwise.
+    """
+
+    __slots__ = ("ukeys", "off", "vals", "bloom", "bloom_shift")
 
     def __init__(self, keys: I64, vals: I32) -> None:
+        self.bloom: npt.NDArray[np.uint8] | None = None
+        self.bloom_shift = np.uint64(0)
         if keys.size == 0:
             self.ukeys: I64 = np.empty(0, dtype=np.int64)
             self.off: I64 = np.zeros(1, dtype=np.int64)
@@ -210,15 +225,29 @@ class _Csr:
         starts = np.flatnonzero(sk[1:] != sk[:-1]) + 1
         self.ukeys = np.concatenate(([sk[0]], sk[starts]))
         self.off = np.concatenate(([0], starts, [sk.size])).astype(np.int64)
+        if self.ukeys.size >= _BLOOM_MIN_KEYS:
+            bits = int(self.ukeys.size * 16 - 1).bit_length()
+            self.bloom_shift = np.uint64(64 - bits)
+            self.bloom = np.zeros(1 << (bits - 3), dtype=np.uint8)
+            h = self._hash(self.ukeys)
+            np.bitwise_or.at(self.bloom, h >> 3, np.left_shift(1, h & 7).astype(np.uint8))
+
+    def _hash(self, keys: I64) -> I64:
+        return ((keys.view(np.uint64) * _HASH_MUL) >> self.bloom_shift).astype(np.int64)
 
     @property
     def nbytes(self) -> int:
-        return int(self.ukeys.nbytes + self.off.nbytes + self.vals.nbytes)
+        extra = 0 if self.bloom is None else self.bloom.nbytes
+        return int(self.ukeys.nbytes + self.off.nbytes + self.vals.nbytes + extra)
 
     def lookup(self, probes: I64, probe_obj: I64) -> tuple[I64, I32]:
         """All (object, slot) pairs whose probe key has an inverted list."""
         if self.ukeys.size == 0 or probes.size == 0:
             return np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int32)
+        if self.bloom is not None:
+            h = self._hash(probes)
+            maybe = np.flatnonzero((self.bloom[h >> 3] >> (h & 7).astype(np.uint8)) & 1)
+            probes, probe_obj = probes[maybe], probe_obj[maybe]
         if self.ukeys.size > 4096 and probes.size > 256:
             # Sorted needles make the binary searches walk nearby memory: ~3x faster.
             order = np.argsort(probes)
@@ -256,31 +285,27 @@ def _empty_pairs() -> tuple[I64, I32]:
     return np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int32)
 
 
+def unit_vectors(lon: F64, lat: F64) -> F64:
+    """(n, 3) points on the unit sphere: a circle test becomes a chord length, no trigonometry."""
+    lon_r = np.radians(lon)
+    lat_r = np.radians(lat)
+    cos_lat = np.cos(lat_r)
+    return np.stack((cos_lat * np.cos(lon_r), cos_lat * np.sin(lon_r), np.sin(lat_r)), axis=1)
+
+
 class _Batch:
-    """Per-batch object columns, derived lazily (only circle verification needs radians)."""
+    """Per-batch object columns, derived lazily (only circle verification needs the vectors)."""
 
     def __init__(self, lon: F64, lat: F64) -> None:
         self.lon = lon
         self.lat = lat
-        self._rad: tuple[F64, F64, F64] | None = None
-
-    def _radians(self) -> tuple[F64, F64, F64]:
-        if self._rad is None:
-            lat_rad = np.radians(self.lat)
-            self._rad = (np.radians(self.lon), lat_rad, np.cos(lat_rad))
-        return self._rad
+        self._xyz: F64 | None = None
 
     @property
-    def lon_rad(self) -> F64:
-        return self._radians()[0]
-
-    @property
-    def lat_rad(self) -> F64:
-        return self._radians()[1]
-
-    @property
-    def cos_lat(self) -> F64:
-        return self._radians()[2]
+    def xyz(self) -> F64:
+        if self._xyz is None:
+            self._xyz = unit_vectors(self.lon, self.lat)
+        return self._xyz
 
 
 class SubscriptionIndex:
@@ -297,8 +322,9 @@ class SubscriptionIndex:
     s_clon: F64
     s_clat: F64
     s_rad: F64
-    s_ccos: F64  # cos(circle centre latitude)
-    s_h: F64  # haversine of the angular radius: sin^2(r / 2R)
+    s_cxyz: F64  # (cap, 3): circle centre on the unit sphere
+    s_hlo: F64  # below this haversine term (chord^2 / 4) a point is surely inside the circle
+    s_hhi: F64  # above this one surely outside; in between haversine_m decides
     s_need: I32
     s_alive: Bool
     s_kwstart: I64
@@ -316,8 +342,9 @@ class SubscriptionIndex:
         ("s_clon", np.float64),
         ("s_clat", np.float64),
         ("s_rad", np.float64),
-        ("s_ccos", np.float64),
-        ("s_h", np.float64),
+        ("s_cxyz", (np.float64, (3,))),
+        ("s_hlo", np.float64),
+        ("s_hhi", np.float64),
         ("s_need", np.int32),
         ("s_alive", np.bool_),
         ("s_kwstart", np.int64),
@@ -409,8 +436,12 @@ class SubscriptionIndex:
         self.s_circle[s] = sub.kind == "circle"
         if sub.circle is not None and sub.kind == "circle":
             self.s_clon[s], self.s_clat[s], self.s_rad[s] = sub.circle
-            self.s_ccos[s] = math.cos(math.radians(sub.circle[1]))
-            self.s_h[s] = math.sin(sub.circle[2] / (2 * EARTH_RADIUS_M)) ** 2
+            self.s_cxyz[s] = unit_vectors(np.array([sub.circle[0]]), np.array([sub.circle[1]]))[0]
+            h = math.sin(min(sub.circle[2] / (2 * EARTH_RADIUS_M), math.pi / 2)) ** 2
+            # The chord's rounding moves chord^2/4 by at most ~1e-15 * sqrt(h) near the border;
+            # the relative band covers haversine_m's own rounding.
+            tol = 1e-6 * h + 4e-15 * math.sqrt(h) + 1e-24
+            self.s_hlo[s], self.s_hhi[s] = h - tol, h + tol
         self.s_bucket[s] = 2 * level + (1 if kws else 0)
         self.s_x0[s], self.s_y0[s], self.s_x1[s], self.s_y1[s] = x0, y0, x1, y1
         if sub.key >= self._key_to_slot.size:
@@ -666,22 +697,20 @@ class SubscriptionIndex:
     def _in_circles(self, batch: _Batch, objs: I64, slots: I32) -> Bool:
         """haversine_m(centre, object) <= radius, decided exactly as the oracle decides it.
 
-        Compares the haversine term a with sin^2(r/2R) (no arcsin/sqrt, object cosines
-        computed once per batch); pairs within a 1e-6 relative band of the radius, where
-        rounding could disagree with haversine_m, are re-checked with haversine_m itself.
+        The haversine term is chord^2 / 4 between the unit vectors of centre and object (no
+        trigonometry per pair); pairs in the band around the radius where rounding could
+        disagree with haversine_m are re-checked with haversine_m itself.
         """
-        phi1 = np.radians(self.s_clat.take(slots))
-        dphi = batch.lat_rad.take(objs) - phi1
-        dlmb = batch.lon_rad.take(objs) - np.radians(self.s_clon.take(slots))
-        a = np.sin(dphi * 0.5) ** 2
-        a += self.s_ccos.take(slots) * batch.cos_lat.take(objs) * np.sin(dlmb * 0.5) ** 2
-        h = self.s_h.take(slots)
-        inside = a < h * (1 - 1e-6)
-        unsure = ~inside & (a <= h * (1 + 1e-6) + 1e-24)
+        d = np.take(batch.xyz, objs, axis=0)
+        d -= np.take(self.s_cxyz, slots, axis=0)
+        a: F64 = np.einsum("ij,ij->i", d, d)
+        a *= 0.25
+        inside: Bool = a < self.s_hlo.take(slots)
+        unsure = ~inside & (a <= self.s_hhi.take(slots))
         if unsure.any():
             u = np.flatnonzero(unsure)
             su, ou = slots.take(u), objs.take(u)
-            d = haversine_m(self.s_clon.take(su), self.s_clat.take(su),
-                            batch.lon.take(ou), batch.lat.take(ou))
-            inside[u] = d <= self.s_rad.take(su)
+            dist = haversine_m(self.s_clon.take(su), self.s_clat.take(su),
+                               batch.lon.take(ou), batch.lat.take(ou))
+            inside[u] = dist <= self.s_rad.take(su)
         return inside

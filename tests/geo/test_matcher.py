@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from unittest import mock
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from app.geo import matcher
 from app.geo.grid import Grid
 from app.geo.matcher import (
     Sub,
@@ -80,6 +83,31 @@ def test_match_equals_brute_force(seed: int, n_subs: int, n_obj: int) -> None:
     got_o, got_k = idx.match(lon, lat, kws)
     codes = list(zip(got_o.tolist(), got_k.tolist(), strict=True))
     assert codes == sorted(set(codes))
+    # The Bloom filter that large CSRs keep in front of the binary search, on every CSR.
+    with mock.patch.object(matcher, "_BLOOM_MIN_KEYS", 1):
+        filtered = SubscriptionIndex(GRID)
+        filtered.add_many(subs)
+    assert all(c.bloom is not None for c in filtered._main if c.ukeys.size)
+    assert_same(filtered.match(lon, lat, kws), want)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(0, 2**32 - 1), st.integers(1, 3000))
+def test_bloom_filter_never_drops_a_present_key(seed: int, n: int) -> None:
+    rng = np.random.default_rng(seed)
+    keys = (rng.integers(0, 2**31, n, dtype=np.int64) << 32) | rng.integers(0, 64, n)
+    keys[n // 3 :: 7] = keys[0]  # one key with a longer list
+    with mock.patch.object(matcher, "_BLOOM_MIN_KEYS", 1):
+        csr = matcher._Csr(keys, np.arange(n, dtype=np.int32))
+    assert csr.bloom is not None
+    probes = np.concatenate((keys, keys[: n // 2] ^ 1, keys[: n // 4] + (1 << 32)))
+    objs, slots = csr.lookup(probes, np.arange(probes.size, dtype=np.int64))
+    got = sorted(zip(objs.tolist(), slots.tolist(), strict=True))
+    by_key: dict[int, list[int]] = {}
+    for j, k in enumerate(keys.tolist()):
+        by_key.setdefault(k, []).append(j)
+    want = sorted((i, j) for i, p in enumerate(probes.tolist()) for j in by_key.get(p, []))
+    assert got == want
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -139,3 +167,31 @@ def test_empty_batches_and_bad_subs() -> None:
         Sub(1, "bbox", bbox=(2.0, 0.0, 1.0, 1.0))
     with pytest.raises(ValueError):
         Sub(-1, "bbox", bbox=(0.0, 0.0, 1.0, 1.0))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.floats(-179.0, 179.0), st.floats(-85.0, 85.0),
+    st.sampled_from([0.001, 0.5, 30.0, 5_000.0, 250_000.0, 9_000_000.0]),
+    st.integers(0, 2**32 - 1),
+)
+def test_points_on_a_circle_border_decided_as_the_oracle(
+    lon: float, lat: float, radius: float, seed: int
+) -> None:
+    """The chord test agrees with haversine_m for points a hair inside, on and outside."""
+    rng = np.random.default_rng(seed)
+    scale = np.repeat([1 - 1e-6, 1 - 1e-9, 1 - 1e-13, 1.0, 1 + 1e-13, 1 + 1e-9, 1 + 1e-6], 8)
+    bearing = rng.uniform(0, 2 * np.pi, scale.size)
+    delta = radius * scale / 6_371_008.8
+    phi1, lmb1 = np.radians(lat), np.radians(lon)
+    phi2 = np.arcsin(np.sin(phi1) * np.cos(delta) + np.cos(phi1) * np.sin(delta) * np.cos(bearing))
+    lmb2 = lmb1 + np.arctan2(np.sin(bearing) * np.sin(delta) * np.cos(phi1),
+                             np.cos(delta) - np.sin(phi1) * np.sin(phi2))
+    plon, plat = (np.degrees(lmb2) + 180.0) % 360.0 - 180.0, np.degrees(phi2)  # as the API
+    subs = [Sub(0, "circle", circle=(lon, lat, radius)), Sub(1, "circle", circle=(lon, lat, 0.0))]
+    grid = Grid()
+    idx = SubscriptionIndex(grid)
+    idx.add_many(subs)
+    kws: list[list[str]] = [[] for _ in range(scale.size + 1)]
+    plon, plat = np.append(plon, lon), np.append(plat, lat)
+    assert_same(idx.match(plon, plat, kws), brute_force_match(subs, plon, plat, kws))
