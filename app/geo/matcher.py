@@ -527,7 +527,8 @@ class SubscriptionIndex:
         lat: F64 | Sequence[float],
         keywords: Sequence[Sequence[str]],
     ) -> MatchResult:
-        """Match a batch of objects; (object index, sub key) pairs sorted by both, each once."""
+        """Match a batch of objects: (object index, sub key) pairs, each once, in ascending object
+        order (the keys of one object in no particular order)."""
         lon = np.asarray(lon, dtype=np.float64)
         lat = np.asarray(lat, dtype=np.float64)
         n = lon.shape[0]
@@ -575,7 +576,9 @@ class SubscriptionIndex:
         objs = np.concatenate(parts_o)
         if objs.size == 0:
             return empty
-        code = (objs << 32) | self.s_key[np.concatenate(parts_s)]
+        # Sorted by (object, slot): duplicates (an object hitting a sub through several of its
+        # keywords) are adjacent, and slots need no key lookup until the end.
+        code = (objs << 32) | np.concatenate(parts_s)
         code.sort()
         first = np.empty(code.size, dtype=np.bool_)
         first[0] = True
@@ -584,13 +587,12 @@ class SubscriptionIndex:
             # CONTAINS: a pair matches when every keyword of the sub hit (object keywords are
             # deduplicated in _object_keywords, sub keywords in Sub: hits == shared keywords).
             starts = np.flatnonzero(first)
-            counts = np.diff(np.append(starts, code.size))
+            counts = np.diff(starts, append=code.size)
             ucode = code[starts]
-            need = self.s_need[self._key_to_slot[ucode & _LOW32]]
-            ucode = ucode[counts >= need]
+            ucode = ucode[counts >= self.s_need[ucode & _LOW32]]
         else:
             ucode = code[first]
-        return ucode >> 32, ucode & _LOW32
+        return ucode >> 32, self.s_key[ucode & _LOW32]
 
     # ---- internals -------------------------------------------------------------------------
 
@@ -626,8 +628,8 @@ class SubscriptionIndex:
         """Deduplicated (object, keyword id) pairs; words no sub uses are dropped."""
         n = len(keywords)
         lens = np.fromiter(map(len, keywords), dtype=np.int64, count=n)
-        flat = list(chain.from_iterable(keywords))
-        ids = np.fromiter(map(self._vocab.get, flat, repeat(-1)), dtype=np.int64, count=len(flat))
+        ids = np.fromiter(map(self._vocab.get, chain.from_iterable(keywords), repeat(-1)),
+                          dtype=np.int64, count=int(lens.sum()))
         kobj = np.repeat(np.arange(n, dtype=np.int64), lens)
         known = ids > 0
         kcode = (kobj[known] << 32) | ids[known]
