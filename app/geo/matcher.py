@@ -249,10 +249,18 @@ class _Csr:
             maybe = np.flatnonzero((self.bloom[h >> 3] >> (h & 7).astype(np.uint8)) & 1)
             probes, probe_obj = probes[maybe], probe_obj[maybe]
         if self.ukeys.size > 4096 and probes.size > 256:
-            # Sorted needles make the binary searches walk nearby memory: ~3x faster.
+            # Sorted needles make the binary searches walk nearby memory (~3x faster), and
+            # each distinct needle (objects share cells and keywords) is searched once.
             order = np.argsort(probes)
             probes, probe_obj = probes[order], probe_obj[order]
-        idx = np.searchsorted(self.ukeys, probes)
+            new = np.empty(probes.size, dtype=np.bool_)
+            new[0] = True
+            np.not_equal(probes[1:], probes[:-1], out=new[1:])
+            starts = np.flatnonzero(new)
+            idx = np.repeat(np.searchsorted(self.ukeys, probes[starts]),
+                            np.diff(starts, append=probes.size))
+        else:
+            idx = np.searchsorted(self.ukeys, probes)
         np.minimum(idx, self.ukeys.size - 1, out=idx)
         hit = self.ukeys[idx] == probes
         idx = idx[hit]
@@ -527,8 +535,8 @@ class SubscriptionIndex:
         lat: F64 | Sequence[float],
         keywords: Sequence[Sequence[str]],
     ) -> MatchResult:
-        """Match a batch of objects: (object index, sub key) pairs, each once, in ascending object
-        order (the keys of one object in no particular order)."""
+        """Match a batch of objects: (object index, sub key) pairs, each once, in no particular
+        order."""
         lon = np.asarray(lon, dtype=np.float64)
         lat = np.asarray(lat, dtype=np.float64)
         n = lon.shape[0]
@@ -544,8 +552,9 @@ class SubscriptionIndex:
             np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64))
         batch = _Batch(lon, lat)
         cells: dict[int, I64] = {}
-        parts_o: list[I64] = []
-        parts_s: list[I32] = []
+        # Spatial-only buckets give each pair once (a sub sits in one bucket, an object probes
+        # one cell per level); keyword buckets can give a pair once per shared keyword.
+        parts: tuple[list[I64], list[I64]] = ([], [])
         for b in range(_N_BUCKETS):
             if not self._bucket_live[b]:
                 continue
@@ -569,29 +578,30 @@ class SubscriptionIndex:
                     o, s = np.concatenate((o, o2)), np.concatenate((s, s2))
             if level != _KEYWORD_LEVEL and o.size:
                 o, s = self._verify(batch, o, s)
-            parts_o.append(o)
-            parts_s.append(s)
-        if not parts_o:
+            if o.size:
+                parts[b & 1].append((o << 32) | s)
+        spatial, textual = parts
+        if textual:
+            # Sorted (object, slot) codes: the pairs an object hits through several of its
+            # keywords are adjacent.
+            code = np.concatenate(textual) if len(textual) > 1 else textual[0]
+            code.sort()
+            first = np.empty(code.size, dtype=np.bool_)
+            first[0] = True
+            np.not_equal(code[1:], code[:-1], out=first[1:])
+            if self._n_all:
+                # CONTAINS: a pair matches when every keyword of the sub hit (object keywords
+                # are deduplicated in _object_keywords, sub keywords in Sub: hits == shared
+                # keywords).
+                starts = np.flatnonzero(first)
+                counts = np.diff(starts, append=code.size)
+                code = code[starts]
+                spatial.append(code[counts >= self.s_need[code & _LOW32]])
+            else:
+                spatial.append(code[first])
+        if not spatial:
             return empty
-        objs = np.concatenate(parts_o)
-        if objs.size == 0:
-            return empty
-        # Sorted by (object, slot): duplicates (an object hitting a sub through several of its
-        # keywords) are adjacent, and slots need no key lookup until the end.
-        code = (objs << 32) | np.concatenate(parts_s)
-        code.sort()
-        first = np.empty(code.size, dtype=np.bool_)
-        first[0] = True
-        np.not_equal(code[1:], code[:-1], out=first[1:])
-        if self._n_all:
-            # CONTAINS: a pair matches when every keyword of the sub hit (object keywords are
-            # deduplicated in _object_keywords, sub keywords in Sub: hits == shared keywords).
-            starts = np.flatnonzero(first)
-            counts = np.diff(starts, append=code.size)
-            ucode = code[starts]
-            ucode = ucode[counts >= self.s_need[ucode & _LOW32]]
-        else:
-            ucode = code[first]
+        ucode = np.concatenate(spatial) if len(spatial) > 1 else spatial[0]
         return ucode >> 32, self.s_key[ucode & _LOW32]
 
     # ---- internals -------------------------------------------------------------------------
