@@ -66,19 +66,36 @@ class Chunk:
     cells: I64  # the coarse cell of each row in that order
     _last_row: dict[tuple[str, float], int] | None = None
 
-    def rows_in(self, bbox: tuple[float, float, float, float], slices: bool = False) -> I64:
+    def rows_in(self, bbox: tuple[float, float, float, float]) -> I64:
         """Rows (indices) including every row inside a bbox: those of the coarse cells it
-        covers, or those inside it. `slices`: by the cells however many rows of cells it
-        covers (a thin, tall box)."""
+        covers, or those inside it."""
         x0, y0, x1, y1 = cell_range(bbox)
-        if (y1 - y0 >= MAX_CELL_ROWS and not slices) or self.order.size < INDEXED_ROWS:
+        if y1 - y0 >= MAX_CELL_ROWS or self.order.size < INDEXED_ROWS:
             return np.flatnonzero(bbox_contains(bbox, self.lon, self.lat))
-        ys = np.arange(y0, y1 + 1, dtype=np.int64) * NX
-        starts = np.searchsorted(self.cells, ys + x0, side="left")
-        ends = np.searchsorted(self.cells, ys + x1, side="right")
-        pieces = [self.order[a:b] for a, b in zip(starts.tolist(), ends.tolist(), strict=True)
-                  if b > a]
-        return np.concatenate(pieces) if pieces else np.empty(0, dtype=np.int64)
+        ys = np.arange(y0, y1 + 1, dtype=np.int64)
+        return self.rows_of_cells(ys, np.full(ys.size, x0), np.full(ys.size, x1))
+
+    def rows_in_runs(self, bbox: tuple[float, float, float, float],
+                     runs: tuple[I64, I64, I64]) -> I64:
+        """Rows inside a bbox among those of the coarse-cell runs (see `rows_of_cells`); a
+        small chunk tests every row."""
+        if self.order.size < INDEXED_ROWS:
+            return np.flatnonzero(bbox_contains(bbox, self.lon, self.lat))
+        rows = self.rows_of_cells(*runs)
+        return rows[bbox_contains(bbox, self.lon[rows], self.lat[rows])]
+
+    def rows_of_cells(self, ys: I64, xa: I64, xb: I64) -> I64:
+        """The rows of the coarse cells (xa[i]..xb[i], ys[i]) for each i, inclusive (the runs
+        must not overlap, or their rows come more than once): one searchsorted for every
+        run's start and end, the rows gathered without a loop."""
+        starts = np.searchsorted(self.cells, ys * NX + xa, side="left")
+        lens = np.searchsorted(self.cells, ys * NX + xb, side="right") - starts
+        np.maximum(lens, 0, out=lens)  # an empty run (xb < xa)
+        total = int(lens.sum())
+        if total == 0:
+            return np.empty(0, dtype=np.int64)
+        pos = np.repeat(starts - (np.cumsum(lens) - lens), lens) + np.arange(total)
+        return self.order[pos]
 
     def last_row(self) -> dict[tuple[str, float], int]:
         """(moving object id, ts) -> its last row in the chunk (built on first use)."""

@@ -22,7 +22,7 @@ from app.archive.layout import NO_CUT
 from app.geo.geometry import bbox_contains, circle_bbox, haversine_m
 from app.geo.grid import Grid
 from app.pipeline import wire
-from workers.records import CELL_DEG, Chunk, TenantRecords
+from workers.records import CELL_DEG, Chunk, TenantRecords, cell_range
 
 Row = tuple[Chunk, int]
 
@@ -81,8 +81,8 @@ def evaluate(records: TenantRecords | None, part: wire.QueryPart, worker: str,
 
 def _count_border(records: TenantRecords | None, part: wire.QueryPart, grid: Grid) -> int:
     """The records inside the query's bbox but outside its `skip_cells`: read from the
-    coarse cells of four strips around the skipped rectangle (widened by a coarse cell, so
-    that they surely cover the border), then tested exactly."""
+    coarse cells of the bbox less those surely inside the skipped rectangle (a coarse cell
+    of margin on each side of its border), then tested exactly."""
     q = part.query
     if records is None or q.bbox is None or q.skip_cells is None:
         return 0
@@ -91,19 +91,41 @@ def _count_border(records: TenantRecords | None, part: wire.QueryPart, grid: Gri
     w, h = grid.cell_width, grid.cell_height
     rx0, rx1 = grid.bounds[0] + x0 * w, grid.bounds[0] + (x1 + 1) * w
     ry0, ry1 = grid.bounds[1] + y0 * h, grid.bounds[1] + (y1 + 1) * h
-    m = CELL_DEG
-    strips = [(b0 - m, b1 - m, rx0 + m, b3 + m), (rx1 - m, b1 - m, b2 + m, b3 + m),
-              (rx0 - m, b1 - m, rx1 + m, ry0 + m), (rx0 - m, ry1 - m, rx1 + m, b3 + m)]
+    runs = border_runs((b0, b1, b2, b3), (rx0, ry0, rx1, ry1))
     total = 0
     for chunk in records.chunks:
         if chunk.first_at > part.as_of:
             continue
-        rows = np.unique(np.concatenate([chunk.rows_in(s, slices=True) for s in strips]))
-        rows = rows[bbox_contains(q.bbox, chunk.lon[rows], chunk.lat[rows])]
-        rows = _in_time(chunk, part, rows)
+        rows = _in_time(chunk, part, chunk.rows_in_runs(q.bbox, runs))
         total += int(np.count_nonzero(~_in_cells(grid, q.skip_cells, chunk.lon[rows],
                                                  chunk.lat[rows])))
     return total
+
+
+def border_runs(bbox: tuple[float, float, float, float],
+                inner: tuple[float, float, float, float]) -> tuple[Any, Any, Any]:
+    """Runs of coarse cells (y, first x, last x), not overlapping, covering every point of
+    `bbox` outside `inner` (a rectangle inside it): every row of cells of the bbox, less,
+    in the rows surely within `inner`'s height, the cells surely within its width. "Surely"
+    keeps a coarse cell of margin, so that rounding at the rectangle's border loses no point."""
+    m = CELL_DEG
+    bx0, by0, bx1, by1 = cell_range((bbox[0] - m, bbox[1] - m, bbox[2] + m, bbox[3] + m))
+    ix0, iy0, ix1, iy1 = cell_range((inner[0] + m, inner[1] + m, inner[2] - m, inner[3] - m))
+    # cells strictly between the margin cells are inside `inner`
+    ix0, iy0, ix1, iy1 = ix0 + 1, iy0 + 1, ix1 - 1, iy1 - 1
+    ys = np.arange(by0, by1 + 1, dtype=np.int64)
+    xa = np.full(ys.size, bx0, dtype=np.int64)
+    xb = np.full(ys.size, bx1, dtype=np.int64)
+    if ix0 > ix1 or iy0 > iy1:
+        return ys, xa, xb
+    cut = (ys >= iy0) & (ys <= iy1)
+    # a cut row is two runs: the cells left of the hole, those right of it
+    left = ys[cut], xa[cut], np.full(int(cut.sum()), ix0 - 1, dtype=np.int64)
+    right = ys[cut], np.full(int(cut.sum()), ix1 + 1, dtype=np.int64), xb[cut]
+    keep = ~cut
+    parts = [(ys[keep], xa[keep], xb[keep]), left, right]
+    return (np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]),
+            np.concatenate([p[2] for p in parts]))
 
 
 def _in_cells(grid: Grid, cells: tuple[int, int, int, int], lon: Any, lat: Any) -> Any:

@@ -9,6 +9,7 @@ import math
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -19,7 +20,7 @@ from app.pipeline import wire
 from app.pipeline.queries import whole_cells
 from workers import records
 from workers.records import CELL_DEG, RecordWindow
-from workers.snapshot import evaluate
+from workers.snapshot import border_runs, evaluate
 
 NOW = 1_800_000_000.0
 
@@ -162,3 +163,64 @@ def test_knn_within_a_distance_finds_the_nearest_within_it(rows: list[Any], px: 
                     if haversine_m(px, py, x, y) <= cap)
     assert [(r.id, r.distance_m) for r in reply.records] == [(i, d) for d, i in ranked[:k]]
     assert reply.truncated == (len(ranked) > k)
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.data())
+def test_border_runs_cover_every_cell_outside_the_hole_once(data: Any) -> None:
+    """The coarse cells a border count reads: none twice, and a point of the bbox in a cell
+    not read lies inside the skipped rectangle."""
+    lons = sorted(data.draw(st.lists(coord_lon, min_size=4, max_size=4, unique=True)))
+    lats = sorted(data.draw(st.lists(coord_lat, min_size=4, max_size=4, unique=True)))
+    bbox = (lons[0], lats[0], lons[3], lats[3])
+    inner = (lons[1], lats[1], lons[2], lats[2])
+    ys, xa, xb = border_runs(bbox, inner)
+    assert (xa <= xb + 1).all()
+    order = np.lexsort((xa, ys))
+    ys, xa, xb = ys[order], xa[order], xb[order]
+    same_row = ys[1:] == ys[:-1]
+    assert (xa[1:][same_row] > xb[:-1][same_row]).all()  # no cell in two runs
+
+    def read(cx: int, cy: int) -> bool:
+        return bool(((ys == cy) & (xa <= cx) & (cx <= xb)).any())
+
+    for _ in range(50):
+        x = data.draw(st.one_of(st.floats(bbox[0], bbox[2]), st.sampled_from(
+            [inner[0], inner[2], math.nextafter(inner[0], -math.inf),
+             math.nextafter(inner[2], math.inf)])))
+        y = data.draw(st.one_of(st.floats(bbox[1], bbox[3]), st.sampled_from(
+            [inner[1], inner[3], math.nextafter(inner[1], -math.inf),
+             math.nextafter(inner[3], math.inf)])))
+        if not (bbox[0] <= x <= bbox[2] and bbox[1] <= y <= bbox[3]):
+            continue
+        cx, cy, _, _ = records.cell_range((x, y, x, y))
+        if not read(cx, cy):
+            assert inner[0] < x < inner[2] and inner[1] < y < inner[3], (x, y)
+
+
+def test_a_border_count_over_many_records_around_the_hole() -> None:
+    """Thousands of records on and beside the border of the whole cells (in chunks that use
+    their cell index): the border plus the whole cells is the brute-force count."""
+    rng = np.random.default_rng(7)
+    grid = Grid(nx=360, ny=180)
+    bbox = (-10.05, 20.02, 9.93, 29.98)
+    cells = whole_cells(grid, bbox)
+    assert cells is not None
+    hole = (-9.0, 21.0, 9.0, 29.0)  # the whole cells' rectangle on this 1° grid
+    edge_x = rng.choice([hole[0], hole[2], bbox[0], bbox[2]], 3000) + rng.normal(0, 0.08, 3000)
+    edge_y = rng.choice([hole[1], hole[3], bbox[1], bbox[3]], 3000) + rng.normal(0, 0.08, 3000)
+    lon = np.concatenate([edge_x, rng.uniform(-11, 11, 3000), np.round(edge_x, 1)])
+    lat = np.concatenate([rng.uniform(19, 31, 3000), edge_y, np.round(edge_y, 1)])
+    rows = [(float(x), float(y), set()) for x, y in zip(lon, lat, strict=True)]
+    w = window_of(rows, grid)
+    w.expire(NOW, -1)  # merged into one chunk of 9 000 rows
+    want = int(((lon >= bbox[0]) & (lon <= bbox[2]) & (lat >= bbox[1]) & (lat <= bbox[3])).sum())
+    held = w.tenants["t"].cell_counts
+    whole = sum(n for counts in held.values() for c, n in counts.items()
+                if cells[0] <= c % grid.nx <= cells[2] and cells[1] <= c // grid.nx <= cells[3])
+    border = evaluate(w.tenants.get("t"), wire.QueryPart(
+        reply="x", tenant="t", query=wire.SnapshotQuery(type="count", bbox=bbox,
+                                                        skip_cells=cells),
+        as_of=NOW + 60, deadline=NOW + 60), "w0", grid).count  # (arrivals up to NOW + 9)
+    assert whole > 0 and border > 0
+    assert whole + border == want
