@@ -124,8 +124,9 @@ def border_runs(bbox: tuple[float, float, float, float],
     right = ys[cut], np.full(int(cut.sum()), ix1 + 1, dtype=np.int64), xb[cut]
     keep = ~cut
     parts = [(ys[keep], xa[keep], xb[keep]), left, right]
-    return (np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]),
-            np.concatenate([p[2] for p in parts]))
+    ys, xa, xb = (np.concatenate([p[i] for p in parts]) for i in range(3))
+    order = np.lexsort((xa, ys))  # in cell order: the chunks' searches walk forward
+    return ys[order], xa[order], xb[order]
 
 
 def _in_cells(grid: Grid, cells: tuple[int, int, int, int], lon: Any, lat: Any) -> Any:
