@@ -130,9 +130,23 @@ class Chunk:
 
     @staticmethod
     def merge(chunks: list[Chunk]) -> Chunk:
-        """One chunk of consecutive chunks of one bucket, rows in the same order."""
-        return Chunk.build(chunks[0].bucket, ObjectBatch.concat([c.batch for c in chunks]),
-                           np.concatenate([c.at for c in chunks]))
+        """One chunk of consecutive chunks of one bucket, rows in the same order. The columns
+        are joined as they are, and the cell order from the chunks' own: a stable sort of
+        their sorted cells one after another (runs, which it merges) keeps rows of a cell in
+        row order."""
+        at = np.concatenate([c.at for c in chunks])
+        offsets = np.cumsum([0] + [c.order.size for c in chunks[:-1]])
+        cells = np.concatenate([c.cells for c in chunks])
+        by_cell = np.argsort(cells, kind="stable")
+        order = np.concatenate([c.order + off for c, off in zip(chunks, offsets.tolist(),
+                                                                 strict=True)])[by_cell]
+        return Chunk(bucket=chunks[0].bucket, at=at, first_at=float(at.min()),
+                     last_at=float(at.max()), batch=ObjectBatch.concat([c.batch for c in chunks]),
+                     lon=np.concatenate([c.lon for c in chunks]),
+                     lat=np.concatenate([c.lat for c in chunks]),
+                     ts=np.concatenate([c.ts for c in chunks]),
+                     moving=np.concatenate([c.moving for c in chunks]), order=order,
+                     cells=cells[by_cell])
 
 
 @dataclass

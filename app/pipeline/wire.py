@@ -16,6 +16,7 @@ step). Field names say what they are; the short keys on the wire stay short thro
 
 from __future__ import annotations
 
+from itertools import chain
 from typing import Any, Literal, TypeVar
 
 import msgspec
@@ -69,7 +70,7 @@ class ObjectBatch(msgspec.Struct, tag="obj", tag_field="t", rename={
 
     def take(self, rows: list[int]) -> ObjectBatch:
         """The batch of the given rows, in that order."""
-        cols = {name: [getattr(self, name)[i] for i in rows] for name in COLUMNS}
+        cols = {name: list(map(getattr(self, name).__getitem__, rows)) for name in COLUMNS}
         return ObjectBatch(tenant=self.tenant, sent_at=self.sent_at,
                            plan_version=self.plan_version, **cols)
 
@@ -79,7 +80,8 @@ class ObjectBatch(msgspec.Struct, tag="obj", tag_field="t", rename={
         if len(batches) == 1:
             return batches[0]
         first = batches[0]
-        cols = {name: [v for b in batches for v in getattr(b, name)] for name in COLUMNS}
+        cols = {name: list(chain.from_iterable(getattr(b, name) for b in batches))
+                for name in COLUMNS}
         return ObjectBatch(tenant=first.tenant, sent_at=first.sent_at,
                            plan_version=first.plan_version, **cols)
 

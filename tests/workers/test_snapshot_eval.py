@@ -224,3 +224,28 @@ def test_a_border_count_over_many_records_around_the_hole() -> None:
         as_of=NOW + 60, deadline=NOW + 60), "w0", grid).count  # (arrivals up to NOW + 9)
     assert whole > 0 and border > 0
     assert whole + border == want
+
+
+@settings(max_examples=60, deadline=None)
+@given(sizes=st.lists(st.integers(1, 60), min_size=2, max_size=6), seed=st.integers(0, 2**32 - 1))
+def test_merged_chunks_equal_one_built_from_the_joined_rows(sizes: list[int], seed: int) -> None:
+    """`Chunk.merge` joins the chunks' sorted cells instead of sorting again: the same chunk,
+    rows of one cell in row order (a coarse lattice makes many ties)."""
+    rng = np.random.default_rng(seed)
+    chunks = []
+    for c, n in enumerate(sizes):
+        lon = (np.round(rng.uniform(-1, 1, n), 1)).tolist()
+        lat = (np.round(rng.uniform(-1, 1, n), 1)).tolist()
+        chunks.append(records.Chunk.of(wire.ObjectBatch(
+            tenant="t", sent_at=NOW + c, plan_version=1, ids=[f"o{c}-{i}" for i in range(n)],
+            record_ids=[f"r{c}-{i}" for i in range(n)], moving=[bool(i % 2) for i in range(n)],
+            lon=lon, lat=lat, ts=[NOW + c] * n, keywords=[["a"]] * n, text=[None] * n,
+            props=[None] * n, prev=[None] * n, late=[False] * n, exit_only=[False] * n,
+            decide_exit=[False] * n), 1))
+    merged = records.Chunk.merge(chunks)
+    built = records.Chunk.build(1, wire.ObjectBatch.concat([c.batch for c in chunks]),
+                                np.concatenate([c.at for c in chunks]))
+    for name in ("at", "lon", "lat", "ts", "moving", "order", "cells"):
+        assert np.array_equal(getattr(merged, name), getattr(built, name)), name
+    assert merged.batch.ids == built.batch.ids
+    assert (merged.first_at, merged.last_at) == (built.first_at, built.last_at)
