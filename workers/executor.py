@@ -62,16 +62,20 @@ log = logging.getLogger(__name__)
 # previous entry.
 HISTORY_SCRIPT = """
 local out = {}
-local age = tonumber(ARGV[6])
+local now = redis.call('TIME')
+-- the age limit from the script's start: every id it adds is at least that late (or, after
+-- a clock step back, follows an older id), so no entry younger than the age is trimmed
+local minid = string.format('%d', tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
+                                  - tonumber(ARGV[6]))
+local bucket, tenant, maxlen, ttl, marker_ttl = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
 for i = 1, #KEYS / 2 do
   local stream, marker = KEYS[2 * i - 1], KEYS[2 * i]
   local prev = redis.call('GET', marker) or '0-0'
-  local id = redis.call('XADD', stream, 'MAXLEN', '~', ARGV[3], '*', 'b', ARGV[1],
-                        't', ARGV[2], 'p', prev, 'm', ARGV[6 + i])
-  local ms = tonumber(string.match(id, '^(%d+)'))
-  redis.call('XTRIM', stream, 'MINID', '~', string.format('%d', ms - age))
-  redis.call('EXPIRE', stream, ARGV[4])
-  redis.call('SET', marker, id, 'EX', ARGV[5])
+  local id = redis.call('XADD', stream, 'MAXLEN', '~', maxlen, '*', 'b', bucket,
+                        't', tenant, 'p', prev, 'm', ARGV[6 + i])
+  redis.call('XTRIM', stream, 'MINID', '~', minid)
+  redis.call('EXPIRE', stream, ttl)
+  redis.call('SET', marker, id, 'EX', marker_ttl)
   out[2 * i - 1] = prev
   out[2 * i] = id
 end
