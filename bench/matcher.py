@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import statistics
 import time
 import tracemalloc
 from typing import Any
@@ -25,6 +26,7 @@ def run(
     seed: int = 1,
     bf_objects: int = 1_000,
     zipf_keywords: bool = False,
+    repeat: int = 3,
 ) -> dict[str, Any]:
     """Build the index over n_subs subscriptions, match n_objects in batches, compare."""
     rng = np.random.default_rng(seed)
@@ -52,12 +54,16 @@ def run(
     del traced_index
 
     index.match(lon[:batch], lat[:batch], kws[:batch])  # warm-up
-    n_pairs = 0
-    t0 = time.perf_counter()
-    for s in range(0, n_objects, batch):
-        o, _ = index.match(lon[s : s + batch], lat[s : s + batch], kws[s : s + batch])
-        n_pairs += o.size
-    match_s = time.perf_counter() - t0
+    passes: list[float] = []
+    for _ in range(max(1, repeat)):
+        n_pairs = 0
+        t0 = time.perf_counter()
+        for s in range(0, n_objects, batch):
+            o, _ = index.match(lon[s : s + batch], lat[s : s + batch], kws[s : s + batch])
+            n_pairs += o.size
+        passes.append(time.perf_counter() - t0)
+    # the best pass is the code's speed; the others also measure what else ran meanwhile
+    match_s = min(passes)
 
     nb = min(bf_objects, n_objects)
     t0 = time.perf_counter()
@@ -75,6 +81,7 @@ def run(
         "generate_s": gen_s,
         "build_s": build_s,
         "index_objects_per_s": n_objects / match_s,
+        "median_objects_per_s": n_objects / statistics.median(passes),
         "index_us_per_object": match_s / n_objects * 1e6,
         "matches_per_object": n_pairs / n_objects,
         "bruteforce_objects": nb,
@@ -95,12 +102,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--batch", type=int, default=5_000)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--bf-objects", type=int, default=1_000)
+    ap.add_argument("--repeat", type=int, default=3,
+                    help="timed passes over the objects; objects/s is the best pass's")
     ap.add_argument(
         "--zipf", action="store_true", help="also run with Zipf-weighted subscription keywords"
     )
     args = ap.parse_args(argv)
     results = [
-        run(n, args.objects, args.batch, args.seed, args.bf_objects, zipf)
+        run(n, args.objects, args.batch, args.seed, args.bf_objects, zipf, args.repeat)
         for zipf in ([False, True] if args.zipf else [False])
         for n in args.subs
     ]
@@ -110,6 +119,7 @@ def main(argv: list[str] | None = None) -> None:
         ("objects matched", "n_objects", "{:,.0f}"),
         ("build (s)", "build_s", "{:.2f}"),
         ("index: objects/s", "index_objects_per_s", "{:,.0f}"),
+        ("  median of the passes", "median_objects_per_s", "{:,.0f}"),
         ("index: us/object", "index_us_per_object", "{:.2f}"),
         ("matches/object", "matches_per_object", "{:.2f}"),
         ("brute force: objects/s", "bruteforce_objects_per_s", "{:,.0f}"),
