@@ -207,15 +207,22 @@ class Reach:
                 continue
             cid = self._key(level, cx, cy)
             order = np.argsort(cid, kind="stable")
-            uniq, start = np.unique(cid[order], return_index=True)
-            ends = [*start[1:].tolist(), len(order)]
-            for c, a, b in zip(uniq.tolist(), start.tolist(), ends, strict=True):
-                if c not in self.cells:
-                    continue
-                slots = self._slots(c)
-                rows = order[a:b]
-                si.append(np.repeat(slots, rows.size))
-                ci.append(np.tile(rows, slots.size))
+            uniq, start, count = np.unique(cid[order], return_index=True, return_counts=True)
+            hit = [j for j, c in enumerate(uniq.tolist()) if c in self.cells]
+            if not hit:
+                continue
+            held = [self._slots(c) for c in uniq[hit].tolist()]
+            # every (slot, row) of each cell hit, slot by slot (as repeat/tile per cell would
+            # give them), for all the cells at once: pair t of cell g is slot t // rows,
+            # row t % rows
+            n_slots = np.fromiter(map(len, held), dtype=np.int64, count=len(held))
+            n_rows = count[hit]
+            n_pairs = n_slots * n_rows
+            g = np.repeat(np.arange(len(hit)), n_pairs)
+            t = np.arange(int(n_pairs.sum())) - np.repeat(np.cumsum(n_pairs) - n_pairs, n_pairs)
+            rows_g = n_rows[g]
+            si.append(np.concatenate(held)[(np.cumsum(n_slots) - n_slots)[g] + t // rows_g])
+            ci.append(order[start[hit][g] + t % rows_g])
         if self.wide:
             slots = self._slots(-1)
             si.append(np.repeat(slots, len(lon)))
