@@ -315,6 +315,13 @@ def test_slow_client_with_10000_subscriptions_catches_up_by_cursor(
         pad = "x" * 600
         for t in range(2, 7):
             publish(tile_objects(float(t), pad))
+        # Still not reading until every match is written and the server has had more than
+        # its send timeout to push them: on a loaded machine the workers may still be behind
+        # when the publishing ends, and a client that read again by then would keep up.
+        client = redis.Redis.from_url(s.redis_url)
+        for n in (0, side * side // 2, side * side - 1):
+            assert wait_until(lambda n=n: _last_ts(client, sub_ids[n]) == 6.0 + n / 1e6, 120)
+        time.sleep(3)
         ws.sock.settimeout(60)
         received += _drain(ws, until=None)  # what was sent before the server gave up on it
         # The close frame queues behind megabytes the client has not read, so the server may
