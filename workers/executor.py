@@ -456,6 +456,12 @@ class Executor:
             self._report_counts(now)
         if now - self.last_trim > MAINTENANCE_S:
             self.last_trim = now
+            # Failed over while stalled, and idle since (no transaction to find it out): the
+            # stream is another's now, exit as a transaction would.
+            fence = int(self.redis.get(names.fence_key(self.id)) or 0)
+            if fence != self.epoch:
+                raise Fenced(f"the stream of {self.id} is fenced (epoch {fence}, "
+                             f"ours {self.epoch})")
             # Nothing of ours is pending between steps; anything that is (a step cut short, a
             # restored Redis) is replayed now rather than when the worker restarts.
             if self._pending_count():

@@ -189,3 +189,21 @@ def test_dead_worker_fails_over_with_every_match_once(tmp_path: Path,
     run_on_cluster(tmp_path, embedded_redis.url, 3, _scenario, GEOSWARM_WORKER_DEAD_AFTER_S="2",
                    GEOSWARM_BALANCE_PERIOD_S="3600")
 
+
+
+def test_an_idle_worker_whose_stream_was_taken_exits(tmp_path: Path,
+                                                     embedded_redis: EmbeddedRedis) -> None:
+    """A worker failed over while stalled may get nothing more to process, so no transaction
+    tells it that its stream is another's: its maintenance round checks the fence and it
+    exits (code 3), instead of running on, heartbeating, beside its stream's new reader."""
+    from tests.conftest import start_server
+
+    s = start_server(tmp_path, embedded_redis.url, workers=1)
+    try:
+        s.wait_workers(1)
+        store = redis.Redis.from_url(s.redis_url)
+        store.incr(names.fence_key("w0"))  # what a takeover does to the stream's fence
+        assert s.procs["w0"].wait(30) == 3
+        store.close()
+    finally:
+        s.stop()
