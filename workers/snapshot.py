@@ -22,7 +22,7 @@ from app.archive.layout import NO_CUT
 from app.geo.geometry import bbox_contains, circle_bbox, haversine_m
 from app.geo.grid import Grid
 from app.pipeline import wire
-from workers.records import CELL_DEG, Chunk, TenantRecords, cell_range
+from workers.records import CELL_DEG, I64, Chunk, TenantRecords, cell_range
 
 Row = tuple[Chunk, int]
 
@@ -103,7 +103,7 @@ def _count_border(records: TenantRecords | None, part: wire.QueryPart, grid: Gri
 
 
 def border_runs(bbox: tuple[float, float, float, float],
-                inner: tuple[float, float, float, float]) -> tuple[Any, Any, Any]:
+                inner: tuple[float, float, float, float]) -> tuple[I64, I64, I64]:
     """Runs of coarse cells (y, first x, last x), not overlapping, covering every point of
     `bbox` outside `inner` (a rectangle inside it): every row of cells of the bbox, less,
     in the rows surely within `inner`'s height, the cells surely within its width. "Surely"

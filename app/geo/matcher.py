@@ -193,6 +193,14 @@ def numpy_brute_force_match(
 # --------------------------------------------------------------------------------------------
 
 
+def _run_starts(sorted_values: I64) -> I64:
+    """Where each run of equal values of a sorted, non-empty array begins (0 first)."""
+    new = np.empty(sorted_values.size, dtype=np.bool_)
+    new[0] = True
+    np.not_equal(sorted_values[1:], sorted_values[:-1], out=new[1:])
+    return np.flatnonzero(new)
+
+
 _BLOOM_MIN_KEYS = 65_536
 """A CSR with at least this many keys gets a Bloom filter in front of its binary search."""
 
@@ -222,9 +230,9 @@ class _Csr:
         order = np.argsort(keys)
         sk = keys[order]
         self.vals = vals[order]
-        starts = np.flatnonzero(sk[1:] != sk[:-1]) + 1
-        self.ukeys = np.concatenate(([sk[0]], sk[starts]))
-        self.off = np.concatenate(([0], starts, [sk.size])).astype(np.int64)
+        starts = _run_starts(sk)
+        self.ukeys = sk[starts]
+        self.off = np.append(starts, sk.size).astype(np.int64)
         if self.ukeys.size >= _BLOOM_MIN_KEYS:
             bits = int(self.ukeys.size * 16 - 1).bit_length()
             self.bloom_shift = np.uint64(64 - bits)
@@ -253,10 +261,7 @@ class _Csr:
             # each distinct needle (objects share cells and keywords) is searched once.
             order = np.argsort(probes)
             probes, probe_obj = probes[order], probe_obj[order]
-            new = np.empty(probes.size, dtype=np.bool_)
-            new[0] = True
-            np.not_equal(probes[1:], probes[:-1], out=new[1:])
-            starts = np.flatnonzero(new)
+            starts = _run_starts(probes)
             idx = np.repeat(np.searchsorted(self.ukeys, probes[starts]),
                             np.diff(starts, append=probes.size))
         else:
@@ -586,19 +591,16 @@ class SubscriptionIndex:
             # keywords are adjacent.
             code = np.concatenate(textual) if len(textual) > 1 else textual[0]
             code.sort()
-            first = np.empty(code.size, dtype=np.bool_)
-            first[0] = True
-            np.not_equal(code[1:], code[:-1], out=first[1:])
+            starts = _run_starts(code)
             if self._n_all:
                 # CONTAINS: a pair matches when every keyword of the sub hit (object keywords
                 # are deduplicated in _object_keywords, sub keywords in Sub: hits == shared
                 # keywords).
-                starts = np.flatnonzero(first)
                 counts = np.diff(starts, append=code.size)
                 code = code[starts]
                 spatial.append(code[counts >= self.s_need[code & _LOW32]])
             else:
-                spatial.append(code[first])
+                spatial.append(code[starts])
         if not spatial:
             return empty
         ucode = np.concatenate(spatial) if len(spatial) > 1 else spatial[0]
@@ -645,10 +647,7 @@ class SubscriptionIndex:
         kcode = (kobj[known] << 32) | ids[known]
         kcode.sort()
         if kcode.size > 1:
-            keep = np.empty(kcode.size, dtype=np.bool_)
-            keep[0] = True
-            np.not_equal(kcode[1:], kcode[:-1], out=keep[1:])
-            kcode = kcode[keep]
+            kcode = kcode[_run_starts(kcode)]
         return kcode >> 32, kcode & _LOW32
 
     def _build(self, slots: I64) -> list[_Csr]:
