@@ -42,7 +42,15 @@ from app.pipeline.router import (
 from app.services.subscriptions import all_live
 from workers.archiving import Archiver
 from workers.decide import Matches, decide
-from workers.failover import Adoption, Fenced, fence_lost, load_window, log_start, watch_fence
+from workers.failover import (
+    Adoption,
+    Fenced,
+    check_fence,
+    fence_lost,
+    load_window,
+    log_start,
+    watch_fence,
+)
 from workers.knn import KnnState, KnnSub
 from workers.knn_reg import KnnRegistry
 from workers.ledger import SwarmLedger, rect_of
@@ -458,10 +466,7 @@ class Executor:
             self.last_trim = now
             # Failed over while stalled, and idle since (no transaction to find it out): the
             # stream is another's now, exit as a transaction would.
-            fence = int(self.redis.get(names.fence_key(self.id)) or 0)
-            if fence != self.epoch:
-                raise Fenced(f"the stream of {self.id} is fenced (epoch {fence}, "
-                             f"ours {self.epoch})")
+            check_fence(self.redis, self.id, self.epoch)
             # Nothing of ours is pending between steps; anything that is (a step cut short, a
             # restored Redis) is replayed now rather than when the worker restarts.
             if self._pending_count():

@@ -131,12 +131,23 @@ def watch_fence(pipe: Any, worker: str, epoch: int) -> None:
     after it fails the EXEC). Raises Fenced when it is no longer ours."""
     key = names.fence_key(worker)
     pipe.watch(key)
-    current = pipe.get(key)
-    if int(current or 0) != epoch:
+    current = int(pipe.get(key) or 0)
+    if current != epoch:
         pipe.reset()
-        raise Fenced(f"the stream of {worker} is fenced (epoch {int(current or 0)}, "
-                     f"ours {epoch})")
+        raise _fenced(worker, current, epoch)
     pipe.multi()
+
+
+def check_fence(client: Any, worker: str, epoch: int) -> None:
+    """Raise Fenced when `epoch` is no longer the fence of `worker`'s stream (a worker that
+    makes no transaction learns it so)."""
+    current = int(client.get(names.fence_key(worker)) or 0)
+    if current != epoch:
+        raise _fenced(worker, current, epoch)
+
+
+def _fenced(worker: str, current: int, epoch: int) -> Fenced:
+    return Fenced(f"the stream of {worker} is fenced (epoch {current}, ours {epoch})")
 
 
 def fence_lost(client: Any, worker: str, epoch: int, exc: redis.WatchError) -> Fenced:
@@ -146,7 +157,7 @@ def fence_lost(client: Any, worker: str, epoch: int, exc: redis.WatchError) -> F
     current = int(client.get(names.fence_key(worker)) or 0)
     if current == epoch:
         raise redis.ConnectionError(f"connection lost in a transaction: {exc}") from exc
-    return Fenced(f"the stream of {worker} is fenced (epoch {current}, ours {epoch})")
+    return _fenced(worker, current, epoch)
 
 
 # The window log is kept from this long before the first bucket after the archive cut: a
