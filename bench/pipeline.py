@@ -115,6 +115,27 @@ def hop_breakdown(before: dict[str, tuple[list[int], float]],
     return out
 
 
+def redis_commands(url: str, top: int = 8) -> dict[str, str]:
+    """Redis's own account of where its time went since the last `CONFIG RESETSTAT`: the
+    commands that used the most of it, with their calls and microseconds per call (a script's
+    commands are counted both in its EVALSHA and on their own lines)."""
+    import redis
+
+    with redis.Redis.from_url(url) as r:
+        stats = r.info("commandstats")
+    rows = sorted(((name.removeprefix("cmdstat_"), int(v["calls"]), float(v["usec"]))
+                   for name, v in stats.items()), key=lambda row: -row[2])
+    return {f"redis_{name}": f"calls {calls}  total {usec / 1e6:.2f} s  "
+            f"{usec / max(calls, 1):.1f} us/call" for name, calls, usec in rows[:top]}
+
+
+def reset_redis_stats(url: str) -> None:
+    import redis
+
+    with redis.Redis.from_url(url) as r:
+        r.config_resetstat()
+
+
 def expected_pairs(specs: list[dict[str, Any]], objs: dict[str, Any]) -> set[tuple[int, int]]:
     index = SubscriptionIndex(Grid())
     index.add_many(to_subs(specs))
@@ -221,6 +242,7 @@ async def drive(server: LiveServer, scenario: str, n_subs: int, n_objects: int, 
 
         cpu0 = cpu_seconds(server)
         hops0 = hop_counts(server.base_url)
+        reset_redis_stats(server.redis_url)
         t_pub = time.perf_counter()
         tasks = []
         for j, start in enumerate(range(0, n_objects, batch)):
@@ -234,6 +256,7 @@ async def drive(server: LiveServer, scenario: str, n_subs: int, n_objects: int, 
         await until_quiet(lambda: len(receiver.pairs), len(expected))
         done_s = time.perf_counter() - t_pub
         cpu = {k: round(v - cpu0.get(k, 0.0), 1) for k, v in cpu_seconds(server).items()}
+        commands = redis_commands(server.redis_url)
         await asyncio.sleep(1.0)  # duplicates or extras would arrive now (and heartbeats)
         hops = hop_breakdown(hops0, hop_counts(server.base_url))
         receiver.task.cancel()
@@ -257,6 +280,7 @@ async def drive(server: LiveServer, scenario: str, n_subs: int, n_objects: int, 
         "latency_ms_p99": round(pct(0.99), 1),
         "latency_ms_mean": round(statistics.fmean(lat_ms), 1) if lat_ms else None,
         "cpu_seconds": cpu, "wall_seconds": round(done_s, 1), **hops,
+        **commands,
     }
 
 
