@@ -61,32 +61,53 @@ from workers.subs import LocalSubs
 
 log = logging.getLogger(__name__)
 
-# One call appends a batch's history entries: KEYS are (history stream, last-id marker)
-# pairs, ARGV = bucket, tenant, maxlen, ttl, marker ttl, max age (ms), then one packed
-# reference list per stream. Each entry records the id of the entry before it (`p`), so a
-# reader can tell a trimmed entry from none; entries older than the max age go as a stream is
-# appended to (no pass over every stream written). Returns, per stream, that previous id and
-# the new id, so hubs can push the entry directly to a client whose cursor is exactly at the
-# previous entry.
+# One call appends a batch's history entries for one tenant: KEYS[1] is the tenant's hash of
+# last ids (`names.history_last_key`), KEYS[2..] the history streams; ARGV = bucket, tenant,
+# maxlen, ttl, max age (ms), housekeeping period (ms), then one packed reference list per
+# stream. Each entry records the id of the entry before it (`p`, from the hash: one HMGET and
+# one HSET per call, not a read and a write per stream), so a reader can tell a trimmed entry
+# from none. A stream's age trim and expiry are renewed by its first append in each
+# housekeeping period (the period of its new id differs from its previous one's): entries
+# older than the max age go as a stream is appended to, at most a period late, and a stream
+# expires no sooner than `ttl` less a period after its last append. Returns, per stream, that
+# previous id and the new id, so hubs can push the entry directly to a client whose cursor is
+# exactly at the previous entry.
 HISTORY_SCRIPT = """
+local n = #KEYS - 1
 local out = {}
 local now = redis.call('TIME')
 -- the age limit from the script's start: every id it adds is at least that late (or, after
 -- a clock step back, follows an older id), so no entry younger than the age is trimmed
 local minid = string.format('%d', tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
-                                  - tonumber(ARGV[6]))
-local bucket, tenant, maxlen, ttl, marker_ttl = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
-for i = 1, #KEYS / 2 do
-  local stream, marker = KEYS[2 * i - 1], KEYS[2 * i]
-  local prev = redis.call('GET', marker) or '0-0'
+                                  - tonumber(ARGV[5]))
+local bucket, tenant, maxlen, ttl = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
+local period = tonumber(ARGV[6])
+local lasts = redis.call('HMGET', KEYS[1], unpack(KEYS, 2))
+local set = {}
+for i = 1, n do
+  local stream = KEYS[i + 1]
+  local prev = lasts[i]
+  if not prev then  -- a new subscription (or one written before the hash existed)
+    local tail = redis.call('XREVRANGE', stream, '+', '-', 'COUNT', 1)
+    prev = (tail[1] and tail[1][1]) or '0-0'
+  end
   local id = redis.call('XADD', stream, 'MAXLEN', '~', maxlen, '*', 'b', bucket,
                         't', tenant, 'p', prev, 'm', ARGV[6 + i])
-  redis.call('XTRIM', stream, 'MINID', '~', minid)
-  redis.call('EXPIRE', stream, ttl)
-  redis.call('SET', marker, id, 'EX', marker_ttl)
+  if math.floor(tonumber(string.match(id, '^%d+')) / period)
+      ~= math.floor(tonumber(string.match(prev, '^%d+')) / period) then
+    redis.call('XTRIM', stream, 'MINID', '~', minid)
+    redis.call('EXPIRE', stream, ttl)
+  end
+  set[#set + 1] = stream
+  set[#set + 1] = id
+  if #set >= 2000 then
+    redis.call('HSET', KEYS[1], unpack(set))
+    set = {}
+  end
   out[2 * i - 1] = prev
   out[2 * i] = id
 end
+if #set > 0 then redis.call('HSET', KEYS[1], unpack(set)) end
 return out
 """
 HISTORY_CHUNK = 4096  # history entries per script call (bounds the time Redis is busy)
@@ -94,6 +115,12 @@ COUNTS_REPORT_S = 0.05  # how often the per-cell counts are written when they ch
 READ_COUNT = 256  # entries read from each stream at once
 MAINTENANCE_S = 5.0  # trimming, expiry and the replay of entries left pending
 TOMBSTONE_S = 6 * 3600.0  # how long a deleted subscription id is remembered (late sub+ copies)
+
+
+def history_housekeeping_ms(max_age_s: float) -> int:
+    """The period in which HISTORY_SCRIPT renews a stream's age trim and expiry: a tenth of
+    the max age, at most 10 s (the 60 s by which `ttl` exceeds the max age cover it)."""
+    return max(1, int(min(10.0, max_age_s / 10) * 1000))
 
 
 class Executor:
@@ -666,17 +693,16 @@ class Executor:
         writes, self.pending_history = self.pending_history, []
         slots = []
         ttl = int(self.settings.history_max_age_s) + 60
+        max_age_ms = int(self.settings.history_max_age_s * 1000)
+        housekeeping_ms = history_housekeeping_ms(self.settings.history_max_age_s)
         for tenant, bucket, sub_ids, refs, _records in writes:
             for a in range(0, len(sub_ids), HISTORY_CHUNK):
                 slots.append(len(pipe.command_stack))
-                keys: list[str] = []
-                for sub in sub_ids[a:a + HISTORY_CHUNK]:
-                    keys += (names.history_key(sub), names.history_last_key(sub))
+                keys = [names.history_last_key(tenant),
+                        *map(names.history_key, sub_ids[a:a + HISTORY_CHUNK])]
                 run_script(pipe, self._history, keys,
                            [bucket, tenant, self.settings.history_max_len, ttl,
-                            names.HISTORY_LAST_TTL_S,
-                            int(self.settings.history_max_age_s * 1000),
-                            *refs[a:a + HISTORY_CHUNK]])
+                            max_age_ms, housekeeping_ms, *refs[a:a + HISTORY_CHUNK]])
         writing = time.perf_counter()
         results = pipe.execute()
         self.hops.observe("write", time.perf_counter() - writing, objects)
@@ -867,14 +893,17 @@ class Executor:
         """Deleted or expired subscriptions. Their history keys go too (the api deleted them
         already; this worker may have written to them since, from entries before this one)."""
         now = time.time()
-        held = [sid for sid in ids if sid in self.sub_msgs]
+        held = [(sid, self.sub_msgs[sid].tenant) for sid in ids if sid in self.sub_msgs]
         for sid in ids:
             self.tombstones[sid] = now
             self.sub_msgs.pop(sid, None)
             self.ledger.remove_query(sid)
         if held:
-            self.redis.delete(*[k for sid in held
-                                for k in (names.history_key(sid), names.history_last_key(sid))])
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.delete(*[names.history_key(sid) for sid, _ in held])
+            for sid, tenant in held:
+                pipe.hdel(names.history_last_key(tenant), names.history_key(sid))
+            pipe.execute()
         for state in self.knn.values():
             for sid in ids:
                 if state.remove(sid) is not None:

@@ -51,10 +51,9 @@ class KnnRegistry:
             at = -1 if direct else len(pipe.command_stack)
             out = run_script(pipe, self._merge,
                              [names.knn_key(sub.id), names.history_key(sub.id),
-                              names.history_last_key(sub.id)],
+                              names.history_last_key(tenant)],
                              [ex.id, sub.epoch, local, sub.k, ex.settings.history_max_len,
                               int(ex.settings.history_max_age_s) + 60, tenant,
-                              names.HISTORY_LAST_TTL_S,
                               int(ex.settings.history_max_age_s * 1000), *clear])
             if direct:
                 self._answer(tenant, sub, sub.epoch, out)

@@ -231,7 +231,7 @@ def caught_up(pos: Position, prev: tuple[int, int], key: tuple[int, int]) -> boo
     return (pos[0], pos[1]) == prev
 
 
-async def resume_positions(redis: aioredis.Redis, cursors: dict[str, Position],
+async def resume_positions(redis: aioredis.Redis, tenant: str, cursors: dict[str, Position],
                            max_age_s: float, now: float) -> dict[str, tuple[Position, bool]]:
     """Where each subscription resumed from a client's cursor continues, and whether entries
     after the cursor were trimmed before the client read them (then it continues after the
@@ -241,7 +241,7 @@ async def resume_positions(redis: aioredis.Redis, cursors: dict[str, Position],
     pipe = redis.pipeline(transaction=False)
     for sub in subs:
         pipe.xrange(names.history_key(sub), min=entry_start(cursors[sub]), count=2)
-        pipe.get(names.history_last_key(sub))
+        pipe.hget(names.history_last_key(tenant), names.history_key(sub))
     replies = await pipe.execute()
     out: dict[str, tuple[Position, bool]] = {}
     for n, sub in enumerate(subs):
@@ -264,8 +264,9 @@ async def resume_positions(redis: aioredis.Redis, cursors: dict[str, Position],
             ms, seq = parse_entry_id(last.decode())
             out[sub] = ((ms, seq, WHOLE_ENTRY), True) if (ms, seq) > at else (pos, False)
         else:
-            # Nothing written for a month, or never: whether the cursor's successors existed
-            # cannot be known, so a cursor older than the retention is told it may have a gap.
+            # Nothing ever written (or not since an upgrade from per-subscription markers):
+            # whether the cursor's successors existed cannot be known, so a cursor older than
+            # the retention is told it may have a gap.
             out[sub] = (pos, pos[0] < (now - max_age_s) * 1000)
     return out
 
@@ -524,7 +525,8 @@ class Hub:
         subs = await run_in_threadpool(ids)
         for i in range(0, len(subs), 1000):
             chunk = subs[i:i + 1000]
-            lasts = await self.redis.mget([names.history_last_key(sub) for sub in chunk])
+            lasts = await self.redis.hmget(names.history_last_key(tenant),
+                                           [names.history_key(sub) for sub in chunk])
             written = [sub for sub, last in zip(chunk, lasts, strict=True) if last is not None]
             for conn in list(self.all_by_tenant.get(tenant, ())):
                 start = conn.listen_all_from

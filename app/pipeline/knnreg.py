@@ -45,18 +45,18 @@ GROW = 4.0  # a registration with fewer than k grows its radius this many times
 SHRINK_AT = 4.0  # ...and shrinks to 2 x the k-th once the k-th is this far inside it
 PENDING, HOLD = "_p:", "_h:"
 
-# KEYS[1] = gs:knn:<sub>, KEYS[2] = history stream, KEYS[3] = its last-id marker (see
-# HISTORY_SCRIPT). ARGV[1] = worker, ARGV[2] = its epoch, ARGV[3] = its local list JSON
-# [[distance, id, lon, lat, kind]], ARGV[4] = k, ARGV[5] = maxlen, ARGV[6] = ttl,
-# ARGV[7] = tenant, ARGV[8] = marker ttl, ARGV[9] = the history's max age (ms: older entries
-# go as a list is appended), ARGV[10..] = tokens this report clears.
+# KEYS[1] = gs:knn:<sub>, KEYS[2] = history stream, KEYS[3] = the tenant's hash of last ids
+# (field: the stream; see HISTORY_SCRIPT). ARGV[1] = worker, ARGV[2] = its epoch, ARGV[3] =
+# its local list JSON [[distance, id, lon, lat, kind]], ARGV[4] = k, ARGV[5] = maxlen,
+# ARGV[6] = ttl, ARGV[7] = tenant, ARGV[8] = the history's max age (ms: older entries go as a
+# list is appended), ARGV[9..] = tokens this report clears.
 # Returns {status, kth}: status 1 = a new list was pushed, 0 = nothing changed or waiting,
 # -1 = the report's epoch is stale, 2 = fewer than k within the radius (grow), 3 = the k-th
 # is far inside the radius (shrink); kth as a string.
 MERGE_SCRIPT = """
 local e = redis.call('HGET', KEYS[1], '_e')
 if not e then return {0, ''} end
-for i = 10, #ARGV do redis.call('HDEL', KEYS[1], ARGV[i]) end
+for i = 9, #ARGV do redis.call('HDEL', KEYS[1], ARGV[i]) end
 if ARGV[2] ~= e then
   if tonumber(ARGV[2]) < tonumber(e) then return {-1, ''} end
   return {0, ''}
@@ -105,13 +105,13 @@ if redis.call('HGET', KEYS[1], '_merged') == key then return {want, kth} end
 redis.call('HSET', KEYS[1], '_merged', key)
 local payload = '[]'
 if #top > 0 then payload = cjson.encode(top) end
-local prev = redis.call('GET', KEYS[3]) or '0-0'
+local prev = redis.call('HGET', KEYS[3], KEYS[2]) or '0-0'
 local id = redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[5], '*', 'k', payload, 't', ARGV[7],
                       'p', prev)
 redis.call('XTRIM', KEYS[2], 'MINID', '~',
-           string.format('%d', tonumber(string.match(id, '^(%d+)')) - tonumber(ARGV[9])))
+           string.format('%d', tonumber(string.match(id, '^(%d+)')) - tonumber(ARGV[8])))
 redis.call('EXPIRE', KEYS[2], ARGV[6])
-redis.call('SET', KEYS[3], id, 'EX', ARGV[8])
+redis.call('HSET', KEYS[3], KEYS[2], id)
 if want == 3 then return {3, kth} end
 return {1, kth}
 """

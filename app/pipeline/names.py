@@ -47,9 +47,6 @@ ROUND_SEQ = "gs:balancer:round"  # counter of rounds (automatic and manual)
 EXPIRY_LOCK = "gs:lock:expiry"  # one api process at a time expires subscriptions
 POSITIONS_PREFIX = "gs:pos:"
 
-# How long a subscription's last history id outlives its (expiring) history stream.
-HISTORY_LAST_TTL_S = 30 * 24 * 3600
-
 
 def worker_stream(worker: str) -> str:
     """The stream a worker consumes: wire.WorkerEntry messages in field `m`."""
@@ -73,11 +70,12 @@ def history_key(sub_id: str) -> str:
     return f"gs:h:{sub_id}"
 
 
-def history_last_key(sub_id: str) -> str:
-    """The id of the last history entry ever written for a subscription. It outlives the
-    history stream (which expires when quiet) so that a resume can tell a quiet subscription
-    from one whose unread entries were trimmed."""
-    return f"gs:hl:{sub_id}"
+def history_last_key(tenant: str) -> str:
+    """A tenant's hash of the id of the last history entry ever written for each of its
+    subscriptions (field: the subscription's `history_key`). It outlives the history streams
+    (which expire when quiet) so that a resume can tell a quiet subscription from one whose
+    unread entries were trimmed; a subscription's field goes with it."""
+    return f"gs:hlast:{tenant}"
 
 
 def positions_key(tenant: str) -> str:

@@ -459,11 +459,11 @@ class Router:
         pipe = self.redis.pipeline(transaction=True)
         for w in index.workers:
             pipe.xadd(names.worker_stream(w), {b"m": msg})
-        # A subscription that is gone cannot be read or resumed: its history and the marker
-        # that outlives it (30 days) go too.
+        # A subscription that is gone cannot be read or resumed: its history and the id of
+        # its last entry go too.
         for r in rows:
-            pipe.delete(names.history_key(r.id), names.history_last_key(r.id),
-                        names.knn_key(r.id))
+            pipe.delete(names.history_key(r.id), names.knn_key(r.id))
+            pipe.hdel(names.history_last_key(r.tenant), names.history_key(r.id))
         await pipe.execute()
         ids = [r.id for r in rows]
         gone = wire.SubsGone(expired=ids) if reason == "expired" else wire.SubsGone(deleted=ids)

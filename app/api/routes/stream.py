@@ -202,8 +202,8 @@ async def _handle_op(text: str, state: Any, hub: Hub, conn: Connection) -> bytes
             continue
         cursors[sub] = pos
     if cursors:
-        resumed = await resume_positions(hub.redis, cursors, state.settings.history_max_age_s,
-                                         time.time())
+        resumed = await resume_positions(hub.redis, conn.principal.tenant, cursors,
+                                         state.settings.history_max_age_s, time.time())
         for sub, (pos, trimmed) in resumed.items():
             if trimmed:
                 conn.outbox.append(gap_line(sub, position_cursor(pos)))
@@ -246,7 +246,7 @@ async def replay(
             raise RequestValidationError([{"type": "value_error", "loc": ("query", "since"),
                                            "msg": "not a cursor this server issued",
                                            "input": since}])
-        resumed = await resume_positions(state.redis, {sub_id: parsed},
+        resumed = await resume_positions(state.redis, principal.tenant, {sub_id: parsed},
                                          state.settings.history_max_age_s, time.time())
         pos, trimmed = resumed[sub_id]
         if trimmed:
