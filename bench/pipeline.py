@@ -136,6 +136,10 @@ def reset_redis_stats(url: str) -> None:
         r.config_resetstat()
 
 
+TS_PLACEHOLDER = 1_500_000_000.0  # in the bodies encoded ahead, replaced at each send
+TS_FIELD = b'"ts":' + orjson.dumps(TS_PLACEHOLDER)
+
+
 def expected_pairs(specs: list[dict[str, Any]], objs: dict[str, Any]) -> set[tuple[int, int]]:
     index = SubscriptionIndex(Grid())
     index.add_many(to_subs(specs))
@@ -159,28 +163,53 @@ class Listener:
         async with websockets.connect(self.url, max_size=None, max_queue=None) as ws:
             await ws.send(orjson.dumps({"op": "listen", "all": True}).decode())
             async for frame in ws:
-                now = time.time()
-                text = frame if isinstance(frame, str) else frame.decode()
-                for line in text.split("\n"):
-                    if line.startswith('{"type":"listening"'):
-                        self.ready.set()
-                    else:
-                        self.handle(line, now)
+                self.handle_frame(frame if isinstance(frame, str) else frame.decode(),
+                                  time.time())
+
+    def handle_frame(self, text: str, now: float) -> None:
+        for line in text.split("\n"):
+            if line.startswith('{"type":"listening"'):
+                self.ready.set()
+            else:
+                self.handle(line, now)
+
+
+MATCH_PREFIX = '{"type":"match"'
 
 
 class Receiver(Listener):
-    """The matches received, and each one's latency from its object's `ts`."""
+    """The match messages received, each with its frame's arrival time. While the run is
+    timed it only keeps the frames and counts their matches (so that this client, on the same
+    cores as the server, takes as little from it as it can); `parse` then reads them: each
+    match's (subscription, object id), and its latency from its object's `ts`."""
 
     def __init__(self, server: LiveServer, key: str) -> None:
         super().__init__(server, key)
+        self.frames: list[tuple[float, str]] = []
+        self.count = 0
         self.pairs: list[tuple[str, str]] = []
         self.latency_ms: list[float] = []
 
+    def handle_frame(self, text: str, now: float) -> None:
+        if not self.ready.is_set():
+            super().handle_frame(text, now)
+            return
+        self.frames.append((now, text))
+        self.count += text.count(MATCH_PREFIX)
+
     def handle(self, line: str, now: float) -> None:
-        if line.startswith('{"type":"match"'):
-            m = orjson.loads(line)
-            self.pairs.append((m["subscription"], m["object"]["id"]))
-            self.latency_ms.append((now - m["object"]["ts"]) * 1000)
+        if line.startswith(MATCH_PREFIX):
+            self.frames.append((now, line))
+            self.count += 1
+
+    def parse(self) -> None:
+        for now, text in self.frames:
+            for line in text.split("\n"):
+                if line.startswith(MATCH_PREFIX):
+                    m = orjson.loads(line)
+                    self.pairs.append((m["subscription"], m["object"]["id"]))
+                    self.latency_ms.append((now - m["object"]["ts"]) * 1000)
+        self.frames = []
 
 
 async def until_quiet(count: Callable[[], int], want: int, idle_s: float = 15.0) -> None:
@@ -229,13 +258,16 @@ async def drive(server: LiveServer, scenario: str, n_subs: int, n_objects: int, 
         obj_ids: list[str | None] = [None] * n_objects
         sem = asyncio.Semaphore(concurrency)
         interval = batch / rate if rate else 0.0
+        # The bodies are encoded before the clock starts; each gets its send time as `ts`.
+        bodies = [orjson.dumps({"objects": [
+            {"lon": lon[i], "lat": lat[i], "keywords": kws[i], "ts": TS_PLACEHOLDER}
+            for i in range(start, min(start + batch, n_objects))]})
+            for start in range(0, n_objects, batch)]
 
         async def send(start: int) -> None:
             async with sem:
-                now = time.time()
-                body = orjson.dumps({"objects": [
-                    {"lon": lon[i], "lat": lat[i], "keywords": kws[i], "ts": now}
-                    for i in range(start, min(start + batch, n_objects))]})
+                stamp = b'"ts":' + orjson.dumps(time.time())
+                body = bodies[start // batch].replace(TS_FIELD, stamp)
                 r = await client.post("/v1/objects", headers=h, content=body)
                 r.raise_for_status()
                 obj_ids[start:start + batch] = r.json()["ids"]
@@ -253,13 +285,14 @@ async def drive(server: LiveServer, scenario: str, n_subs: int, n_objects: int, 
             tasks.append(asyncio.create_task(send(start)))
         await asyncio.gather(*tasks)
         publish_s = time.perf_counter() - t_pub
-        await until_quiet(lambda: len(receiver.pairs), len(expected))
+        await until_quiet(lambda: receiver.count, len(expected))
         done_s = time.perf_counter() - t_pub
         cpu = {k: round(v - cpu0.get(k, 0.0), 1) for k, v in cpu_seconds(server).items()}
         commands = redis_commands(server.redis_url)
         await asyncio.sleep(1.0)  # duplicates or extras would arrive now (and heartbeats)
         hops = hop_breakdown(hops0, hop_counts(server.base_url))
         receiver.task.cancel()
+    receiver.parse()
     want = {(sub_ids[k], obj_ids[o]) for k, o in expected}
     got = receiver.pairs
     lat_ms = sorted(receiver.latency_ms)
