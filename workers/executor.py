@@ -620,6 +620,8 @@ class Executor:
         self.pending_records, self.pending_queries = [], []
         ids = [e[0] for e in entries]
         if replay:
+            # Entries are acknowledged with their effects; a done-marker is left only by a
+            # version before that (which acknowledged after the commit), for 24 hours.
             done = self.redis.mget([names.done_key(self.id, i.decode()) for i in ids])
             counts = self._delivery_counts(ids) if after_crash else {}
             keep = []
@@ -688,8 +690,8 @@ class Executor:
                 self.migration.receive_handoff(msg, pipe, notify)
         if group:
             self._match_group(group, pipe, notify)
-        for eid in ids:
-            pipe.set(names.done_key(self.id, eid.decode()), b"1", ex=24 * 3600)
+        if ids:  # acknowledged in the transaction that writes their effects: both or neither
+            pipe.xack(self.stream, names.GROUP, *ids)
         writes, self.pending_history = self.pending_history, []
         slots = []
         ttl = int(self.settings.history_max_age_s) + 60
@@ -709,7 +711,6 @@ class Executor:
         self.knnreg.settle(pipe, results)
         self._keep_records()
         self.notify(writes, [results[i] for i in slots], notify, sent_at)
-        self.redis.xack(self.stream, names.GROUP, *ids)
         last = max(ids, key=cluster.entry_order) if ids else None
         if last is not None and (self.processed_id is None or cluster.entry_order(last)
                                  > cluster.entry_order(self.processed_id)):

@@ -235,7 +235,7 @@ class Adoption:
             done = ex.redis.mget([names.done_key(self.dead, i.decode()) for i in ids])
             queries: list[wire.QueryPart] = []
             for (eid, fields), d in zip(entries, done, strict=True):
-                if d is not None:
+                if d is not None:  # only a version that acknowledged after its commit
                     continue  # written before it died (or by an earlier adoption)
                 try:
                     msg = wire.decode_entry(fields[b"m"])
@@ -262,8 +262,7 @@ class Adoption:
                 # Removals, gone objects, retractions and keyword subscriptions went to every
                 # worker that holds them; a handoff or takeover to the dead worker is
                 # superseded by the failover plan, whose receivers rebuild from SQL.
-            for eid in ids:
-                pipe.set(names.done_key(self.dead, eid.decode()), b"1", ex=24 * 3600)
+            pipe.xack(self.stream, names.GROUP, *ids)  # with the forwards: both or neither
             pipe.execute()
         except redis.WatchError as exc:
             raise fence_lost(ex.redis, self.dead, self.epoch, exc) from exc
@@ -274,7 +273,6 @@ class Adoption:
             for part in queries:
                 ex.answer(part, out, self.records.tenants.get(part.tenant), self.dead)
             out.execute()
-        ex.redis.xack(self.stream, names.GROUP, *ids)
 
     def still_ours(self) -> bool:
         raw = self.ex.redis.get(names.adopter_key(self.dead))

@@ -142,7 +142,7 @@ class Sampler:
 
 
 def key_census(client: redis.Redis) -> dict[str, int]:
-    """Keys by their first two `:`-separated parts (`gs:done`, `gs:h`, ...): which kind grows."""
+    """Keys by their first two `:`-separated parts (`gs:h`, `gs:pub`, ...): which kind grows."""
     counts: Counter[str] = Counter()
     for key in client.scan_iter(count=1000):
         counts[":".join(key.decode(errors="replace").split(":")[:2])] += 1
