@@ -23,4 +23,6 @@ def tokenize(text: str) -> list[str]:
 
 def normalize_keywords(kws: Iterable[str]) -> list[str]:
     """Lower-case and de-duplicate client-given keywords, preserving order; drops empties."""
-    return list(dict.fromkeys(k.lower() for k in kws if k))
+    out = dict.fromkeys(map(str.lower, kws))
+    out.pop("", None)
+    return list(out)

@@ -219,9 +219,20 @@ def render_matches(sub_json: bytes, eid: str, refs: wire.MatchRefs,
     rids, codes = refs.record_ids, refs.detect
     prefix = b'{"type":"match","subscription":' + sub_json + b',"cursor":"' + eid.encode()
     get = recs.get
+    n = len(_INDEXES)
     # (a record that outlived its retention is left out)
-    return [b'%s:%d","detect":"%s","object":%s}' % (prefix, idx, _DETECT[codes[idx]], rec)
+    return [b"".join((prefix, _INDEXES[idx] if idx < n else _index(idx),
+                      _DETECT_OBJECT[codes[idx]], rec, b"}"))
             for idx in range(after + 1, len(rids)) if (rec := get(rids[idx])) is not None]
+
+
+def _index(idx: int) -> bytes:
+    """The middle of a match message: the cursor's index, and the start of its `detect`."""
+    return b':%d","detect":"' % idx
+
+
+_INDEXES = [_index(i) for i in range(4096)]  # most entries hold fewer matches
+_DETECT_OBJECT = [b'%s","object":' % name for name in _DETECT]
 
 
 def caught_up(pos: Position, prev: tuple[int, int], key: tuple[int, int]) -> bool:
