@@ -160,6 +160,7 @@ def bench_cluster(prefix: str, workers: int, **env_overrides: str) -> Iterator[L
     try:
         server = start_server(tmp, redis_server.url, None, workers, 1,
                               **{**UNTHROTTLED, **env_overrides})
+        server.redis_pid = redis_server.process.pid  # its CPU is counted with the processes'
         try:
             server.wait_workers(workers)
             yield server

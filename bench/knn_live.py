@@ -24,7 +24,7 @@ import redis
 from app.geo.geometry import haversine_m
 from app.pipeline import names
 from bench.cluster import LiveServer, bench_cluster
-from bench.pipeline import Listener, cpu_seconds, subscribe
+from bench.pipeline import Listener, cpu_seconds, reset_redis_stats, subscribe, top_commands
 from bench.workload import city_points
 
 
@@ -142,6 +142,7 @@ async def drive(server: LiveServer, n_objects: int, n_subs: int, k: int, rate: f
             messages0 = receiver.messages
             cpu0 = cpu_seconds(server)
         plan0 = plan_version(server)
+        reset_redis_stats(server.redis_url)
         start = time.perf_counter()
         sent = await pace(seconds, timed=True)
         await asyncio.gather(*sends)
@@ -154,6 +155,7 @@ async def drive(server: LiveServer, n_objects: int, n_subs: int, k: int, rate: f
         caught_up_s = time.perf_counter() - start - paced_s
         await receiver.quiet()
         cpu = {n: v - cpu0.get(n, 0.0) for n, v in cpu_seconds(server).items()}
+        commands = top_commands(server.redis_url, 3)
         task.cancel()
     sample = rng.choice(n_subs, size=min(check, n_subs), replace=False).tolist()
     # on how many workers each subscription of the sample is registered (merged lists)
@@ -187,6 +189,8 @@ async def drive(server: LiveServer, n_objects: int, n_subs: int, k: int, rate: f
         "workers_per_subscription": round(sum(held) / max(1, len(held)), 2),
         "plan_changes_while_timed": plan_version(server) - plan0,
         "cpu_seconds": {n: round(v, 1) for n, v in cpu.items()},
+        **{f"redis_top_{i + 1}": f"{name} {usec / 1e6:.2f} s"
+           for i, (name, _calls, usec) in enumerate(commands)},
         "last_lists_checked": len(sample), "last_lists_wrong": wrong,
     }
 

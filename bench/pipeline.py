@@ -115,18 +115,23 @@ def hop_breakdown(before: dict[str, tuple[list[int], float]],
     return out
 
 
-def redis_commands(url: str, top: int = 8) -> dict[str, str]:
+def top_commands(url: str, top: int) -> list[tuple[str, int, float]]:
     """Redis's own account of where its time went since the last `CONFIG RESETSTAT`: the
-    commands that used the most of it, with their calls and microseconds per call (a script's
-    commands are counted both in its EVALSHA and on their own lines)."""
+    `top` commands that used the most of it, as (name, calls, microseconds). A script's
+    commands are counted both in its EVAL or EVALSHA and on their own lines."""
     import redis
 
     with redis.Redis.from_url(url) as r:
         stats = r.info("commandstats")
     rows = sorted(((name.removeprefix("cmdstat_"), int(v["calls"]), float(v["usec"]))
                    for name, v in stats.items()), key=lambda row: -row[2])
+    return rows[:top]
+
+
+def redis_commands(url: str, top: int = 8) -> dict[str, str]:
+    """`top_commands` as report lines, with microseconds per call."""
     return {f"redis_{name}": f"calls {calls}  total {usec / 1e6:.2f} s  "
-            f"{usec / max(calls, 1):.1f} us/call" for name, calls, usec in rows[:top]}
+            f"{usec / max(calls, 1):.1f} us/call" for name, calls, usec in top_commands(url, top)}
 
 
 def reset_redis_stats(url: str) -> None:
