@@ -4,14 +4,12 @@ compaction, checks every range count against numpy, and draws its PNG."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from bench.cluster import ROOT
 from spark.session import java_available
+from tests.bench import run_bench
 
 pytestmark = pytest.mark.slow
 
@@ -21,12 +19,8 @@ def test_tiny_run_reports_both_phases_exactly(tmp_path: Path) -> None:
     if not ok:
         pytest.skip(f"Java 17+ is not installed: {detail}")
     png = tmp_path / "archive.png"
-    out = subprocess.run(
-        [sys.executable, "-m", "app.cli", "bench", "archive", "--records", "30000",
-         "--queries", "3", "--min-records", "2000", "--png", str(png),
-         "--ingest-records", "0"],
-        cwd=ROOT, capture_output=True, text=True, timeout=400)
-    assert out.returncode == 0, out.stderr[-3000:]
+    out = run_bench("archive", "--records", "30000", "--queries", "3", "--min-records", "2000",
+                    "--png", str(png), "--ingest-records", "0", timeout=400)
     lines = [ln.split() for ln in out.stdout.splitlines() if ln.strip()]
     phases = {(ln[1], " ".join(ln[2:4])) for ln in lines}
     for phase in ("before", "after"):

@@ -3,14 +3,11 @@ line as a user runs it, and its brute-force oracle against a hand-checked case."
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 
-from bench.cluster import ROOT
 from bench.geofence import make_fences, make_updates, oracle, start_positions
+from tests.bench import run_bench
 
 pytestmark = pytest.mark.slow
 
@@ -37,11 +34,8 @@ def test_fences_sit_where_the_objects_move() -> None:
 
 
 def test_tiny_run_delivers_every_notification_once() -> None:
-    out = subprocess.run(
-        [sys.executable, "-m", "app.cli", "bench", "geofence", "--fences", "20,200",
-         "--objects", "400", "--updates", "2000", "--batch", "100"],
-        cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:] + out.stdout[-2000:]
+    out = run_bench("geofence", "--fences", "20,200", "--objects", "400", "--updates", "2000",
+                    "--batch", "100")
     lines = out.stdout.splitlines()
     assert lines[0].split()[:3] == ["fences", "updates/s", "notif/s"]
     rows = {int(line.split()[0]): line.split() for line in lines[1:3]}

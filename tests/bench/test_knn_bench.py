@@ -3,23 +3,17 @@ user runs it: both ways are timed, and the incremental lists equal brute force."
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 
-from bench.cluster import ROOT
 from bench.knn import run
+from tests.bench import run_bench
 
 pytestmark = pytest.mark.slow
 
 
 def test_tiny_run_is_exact_and_reports_both_ways() -> None:
-    out = subprocess.run(
-        [sys.executable, "-m", "app.cli", "bench", "knn", "--objects", "3000", "--subs", "300",
-         "--updates", "2000", "--batch", "500"],
-        cwd=ROOT, capture_output=True, text=True, timeout=240)
-    assert out.returncode == 0, out.stderr[-3000:]
+    out = run_bench("knn", "--objects", "3000", "--subs", "300", "--updates", "2000", "--batch",
+                    "500", timeout=240)
     rows = {line[:30].strip(): line[30:].strip() for line in out.stdout.splitlines()}
     assert rows["exact on sample"] == "True", out.stdout
     assert "full rescan: CPU us/update" in out.stdout and "speedup" in out.stdout
@@ -33,11 +27,8 @@ def test_every_list_is_checked() -> None:
 
 def test_tiny_live_run_delivers_exact_last_lists() -> None:
     """Both registrations side by side (bounded, then the broadcast baseline)."""
-    out = subprocess.run(
-        [sys.executable, "-m", "app.cli", "bench", "knn", "--live", "--objects", "2000",
-         "--subs", "100", "--rate", "400", "--seconds", "3", "--request", "40"],
-        cwd=ROOT, capture_output=True, text=True, timeout=240)
-    assert out.returncode == 0, out.stderr[-3000:] + out.stdout
+    out = run_bench("knn", "--live", "--objects", "2000", "--subs", "100", "--rate", "400",
+                    "--seconds", "3", "--request", "40", timeout=240)
     lines = out.stdout.splitlines()
     assert lines[0].split() == ["bounded", "broadcast"], out.stdout
     rows = {line.split()[0]: line.split()[1:] for line in lines[1:]

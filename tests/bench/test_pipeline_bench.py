@@ -4,22 +4,16 @@ Redis's own account of its time in the report."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 
-from bench.cluster import ROOT
+from tests.bench import run_bench
 
 pytestmark = pytest.mark.slow
 
 
 def test_tiny_run_delivers_every_match_once_and_reports_where_time_went() -> None:
-    out = subprocess.run(
-        [sys.executable, "-m", "app.cli", "bench", "pipeline", "--scenario", "selective",
-         "--subs", "2000", "--objects", "6000", "--batch", "500"],
-        cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:] + out.stdout[-2000:]
+    out = run_bench("pipeline", "--scenario", "selective", "--subs", "2000", "--objects", "6000",
+                    "--batch", "500")
     report = dict(line.split(None, 1) for line in out.stdout.splitlines() if line.strip())
     expected = int(report["expected_matches"])
     assert expected > 100  # the tiny workload still matches

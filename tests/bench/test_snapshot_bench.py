@@ -4,22 +4,16 @@ geoswarm range and knn answer it times agrees with its brute-force check."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 
-from bench.cluster import ROOT
+from tests.bench import run_bench
 
 pytestmark = pytest.mark.slow
 
 
 def test_tiny_run_is_exact_and_reports_both_systems() -> None:
-    out = subprocess.run(
-        [sys.executable, "-m", "app.cli", "bench", "snapshot", "--records", "3000",
-         "--queries", "5", "--batch", "1000"],
-        cwd=ROOT, capture_output=True, text=True, timeout=240)
-    assert out.returncode == 0, out.stderr[-3000:]
+    out = run_bench("snapshot", "--records", "3000", "--queries", "5", "--batch", "1000",
+                    timeout=240)
     table = dict(line.split(None, 1) for line in out.stdout.splitlines() if line.strip())
     assert table["count_all"] == "3000"
     assert table["answers_differing_from_brute_force"] == "0"
