@@ -31,6 +31,7 @@ from app.geo.geometry import circle_bbox
 from app.geo.index import GlobalIndex, Partition
 from app.pipeline import cluster, names, records, wire
 from app.pipeline.control import PLAN_CAS_SCRIPT
+from app.pipeline.histories import APPEND_HISTORY_LUA, history_housekeeping_ms
 from app.pipeline.hops import HopTimes
 from app.pipeline.records import public_record
 from app.pipeline.router import (
@@ -66,22 +67,14 @@ log = logging.getLogger(__name__)
 # maxlen, ttl, max age (ms), housekeeping period (ms), then one packed reference list per
 # stream. Each entry records the id of the entry before it (`p`, from the hash: one HMGET and
 # one HSET per call, not a read and a write per stream), so a reader can tell a trimmed entry
-# from none. A stream's age trim and expiry are renewed by its first append in each
-# housekeeping period (the period of its new id differs from its previous one's): entries
-# older than the max age go as a stream is appended to, at most a period late, and a stream
-# expires no sooner than `ttl` less a period after its last append. Returns, per stream, that
-# previous id and the new id, so hubs can push the entry directly to a client whose cursor is
-# exactly at the previous entry.
-HISTORY_SCRIPT = """
+# from none; `append_history` (app.pipeline.histories) trims and renews the streams. Returns,
+# per stream, that previous id and the new id, so hubs can push the entry directly to a client
+# whose cursor is exactly at the previous entry.
+HISTORY_SCRIPT = APPEND_HISTORY_LUA + """
 local n = #KEYS - 1
 local out = {}
-local now = redis.call('TIME')
--- the age limit from the script's start: every id it adds is at least that late (or, after
--- a clock step back, follows an older id), so no entry younger than the age is trimmed
-local minid = string.format('%d', tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
-                                  - tonumber(ARGV[5]))
 local bucket, tenant, maxlen, ttl = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
-local period = tonumber(ARGV[6])
+local max_age, period = ARGV[5], ARGV[6]
 local lasts = redis.call('HMGET', KEYS[1], unpack(KEYS, 2))
 local set = {}
 for i = 1, n do
@@ -91,13 +84,8 @@ for i = 1, n do
     local tail = redis.call('XREVRANGE', stream, '+', '-', 'COUNT', 1)
     prev = (tail[1] and tail[1][1]) or '0-0'
   end
-  local id = redis.call('XADD', stream, 'MAXLEN', '~', maxlen, '*', 'b', bucket,
-                        't', tenant, 'p', prev, 'm', ARGV[6 + i])
-  if math.floor(tonumber(string.match(id, '^%d+')) / period)
-      ~= math.floor(tonumber(string.match(prev, '^%d+')) / period) then
-    redis.call('XTRIM', stream, 'MINID', '~', minid)
-    redis.call('EXPIRE', stream, ttl)
-  end
+  local id = append_history(stream, prev, maxlen, max_age, ttl, period, 'b', bucket,
+                            't', tenant, 'p', prev, 'm', ARGV[6 + i])
   set[#set + 1] = stream
   set[#set + 1] = id
   if #set >= 2000 then
@@ -115,12 +103,6 @@ COUNTS_REPORT_S = 0.05  # how often the per-cell counts are written when they ch
 READ_COUNT = 256  # entries read from each stream at once
 MAINTENANCE_S = 5.0  # trimming, expiry and the replay of entries left pending
 TOMBSTONE_S = 6 * 3600.0  # how long a deleted subscription id is remembered (late sub+ copies)
-
-
-def history_housekeeping_ms(max_age_s: float) -> int:
-    """The period in which HISTORY_SCRIPT renews a stream's age trim and expiry: a tenth of
-    the max age, at most 10 s (the 60 s by which `ttl` exceeds the max age cover it)."""
-    return max(1, int(min(10.0, max_age_s / 10) * 1000))
 
 
 class Executor:

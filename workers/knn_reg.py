@@ -17,6 +17,7 @@ import orjson
 from app.core.redis import run_script
 from app.geo.geometry import circle_bbox
 from app.pipeline import knnreg, names, wire
+from app.pipeline.histories import history_housekeeping_ms
 from workers.knn import KnnState, KnnSub, knn_sub
 
 if TYPE_CHECKING:
@@ -54,7 +55,8 @@ class KnnRegistry:
                               names.history_last_key(tenant)],
                              [ex.id, sub.epoch, local, sub.k, ex.settings.history_max_len,
                               int(ex.settings.history_max_age_s) + 60, tenant,
-                              int(ex.settings.history_max_age_s * 1000), *clear])
+                              int(ex.settings.history_max_age_s * 1000),
+                              history_housekeeping_ms(ex.settings.history_max_age_s), *clear])
             if direct:
                 self._answer(tenant, sub, sub.epoch, out)
             else:

@@ -37,6 +37,7 @@ from app.geo.geometry import EARTH_RADIUS_M, haversine_m
 from app.geo.grid import Grid
 from app.geo.index import GlobalIndex, Plan
 from app.pipeline import names, wire
+from app.pipeline.histories import APPEND_HISTORY_LUA
 
 WORLD_M = 2.1e7  # beyond half the circumference every point is within reach
 UNBOUNDED = -1.0  # `_r` of a registration on every worker
@@ -48,15 +49,15 @@ PENDING, HOLD = "_p:", "_h:"
 # KEYS[1] = gs:knn:<sub>, KEYS[2] = history stream, KEYS[3] = the tenant's hash of last ids
 # (field: the stream; see HISTORY_SCRIPT). ARGV[1] = worker, ARGV[2] = its epoch, ARGV[3] =
 # its local list JSON [[distance, id, lon, lat, kind]], ARGV[4] = k, ARGV[5] = maxlen,
-# ARGV[6] = ttl, ARGV[7] = tenant, ARGV[8] = the history's max age (ms: older entries go as a
-# list is appended), ARGV[9..] = tokens this report clears.
+# ARGV[6] = ttl, ARGV[7] = tenant, ARGV[8] = the history's max age (ms), ARGV[9] = its
+# housekeeping period (ms; see `append_history`), ARGV[10..] = tokens this report clears.
 # Returns {status, kth}: status 1 = a new list was pushed, 0 = nothing changed or waiting,
 # -1 = the report's epoch is stale, 2 = fewer than k within the radius (grow), 3 = the k-th
 # is far inside the radius (shrink); kth as a string.
-MERGE_SCRIPT = """
+MERGE_SCRIPT = APPEND_HISTORY_LUA + """
 local e = redis.call('HGET', KEYS[1], '_e')
 if not e then return {0, ''} end
-for i = 9, #ARGV do redis.call('HDEL', KEYS[1], ARGV[i]) end
+for i = 10, #ARGV do redis.call('HDEL', KEYS[1], ARGV[i]) end
 if ARGV[2] ~= e then
   if tonumber(ARGV[2]) < tonumber(e) then return {-1, ''} end
   return {0, ''}
@@ -106,11 +107,8 @@ redis.call('HSET', KEYS[1], '_merged', key)
 local payload = '[]'
 if #top > 0 then payload = cjson.encode(top) end
 local prev = redis.call('HGET', KEYS[3], KEYS[2]) or '0-0'
-local id = redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[5], '*', 'k', payload, 't', ARGV[7],
-                      'p', prev)
-redis.call('XTRIM', KEYS[2], 'MINID', '~',
-           string.format('%d', tonumber(string.match(id, '^(%d+)')) - tonumber(ARGV[8])))
-redis.call('EXPIRE', KEYS[2], ARGV[6])
+local id = append_history(KEYS[2], prev, ARGV[5], ARGV[8], ARGV[6], ARGV[9], 'k', payload,
+                          't', ARGV[7], 'p', prev)
 redis.call('HSET', KEYS[3], KEYS[2], id)
 if want == 3 then return {3, kth} end
 return {1, kth}

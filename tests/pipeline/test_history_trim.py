@@ -13,7 +13,8 @@ import orjson
 import redis
 
 from app.pipeline import knnreg, names
-from workers.executor import HISTORY_SCRIPT, history_housekeeping_ms
+from app.pipeline.histories import history_housekeeping_ms
+from workers.executor import HISTORY_SCRIPT
 
 AGE_MS = 1000  # far above the time the appends take, even on a loaded machine
 
@@ -52,7 +53,8 @@ def test_knn_histories_lose_their_old_entries_as_they_grow(redis_db: str) -> Non
     def report(i: int) -> bool:
         """Whether a new list was pushed (1; 3: pushed, and the radius could shrink)."""
         local = orjson.dumps([[float(i), f"o{i}", 0.0, 0.0, 0]])
-        status, _ = merge(keys=keys, args=["w0", 1, local, 1, 10_000, 3600, "t", AGE_MS])
+        status, _ = merge(keys=keys, args=["w0", 1, local, 1, 10_000, 3600, "t", AGE_MS,
+                                           history_housekeeping_ms(AGE_MS / 1000)])
         return int(status) in (1, 3)
 
     assert all(report(i) for i in range(300))  # each a new list
