@@ -153,7 +153,7 @@ async def rate_limit(state: AppState, principal: Principal) -> None:
         return
     now = time.time()
     window = int(now)
-    counter = f"gs:rl:{principal.key_id}:{window}"
+    counter = names.rate_key(principal.key_id, window)
     pipe = state.redis.pipeline(transaction=False)
     pipe.incr(counter)
     pipe.expire(counter, 2)
