@@ -102,6 +102,7 @@ HISTORY_CHUNK = 4096  # history entries per script call (bounds the time Redis i
 COUNTS_REPORT_S = 0.05  # how often the per-cell counts are written when they changed
 READ_COUNT = 256  # entries read from each stream at once
 MAINTENANCE_S = 5.0  # trimming, expiry and the replay of entries left pending
+SUMMARY_S = 0.2  # how often the keyword summaries of changed subscriptions are written
 TOMBSTONE_S = 6 * 3600.0  # how long a deleted subscription id is remembered (late sub+ copies)
 
 
@@ -121,6 +122,8 @@ class Executor:
         self.stopping = 0
         self.received = 0
         self.matched = 0
+        self.unmatched = 0  # rows not matched: the router's mark by our keyword summary held
+        self.summaries_at = 0.0
         self.hops = HopTimes()  # this worker's hops of the live path (app.pipeline.hops)
         self.last_trim = 0.0
         self.must_recover = False  # a step failed: entries of ours may be pending
@@ -176,7 +179,7 @@ class Executor:
         self._ensure_group()
         # Our stream is ours again: an adoption of it (we were failed over) ends here.
         self.epoch = int(self.redis.incr(names.fence_key(self.id)))
-        self.redis.delete(names.adopter_key(self.id))
+        self.redis.delete(names.adopter_key(self.id), names.keyword_summaries_key(self.id))
         self.load_plan()
         self.sync_stats()
         # Beat before the rebuilds: a restart must not look like a death (failover).
@@ -385,7 +388,7 @@ class Executor:
         info = {
             "id": self.id, "pid": os.getpid(), "host": socket.gethostname(),
             "heartbeat": time.time(), "started": self.started, "received": self.received,
-            "matched": self.matched,
+            "matched": self.matched, "skipped_by_summary": self.unmatched,
             "subscriptions": len(self.subs) + sum(len(s.subs) for s in self.knn.values()),
             "plan_version": self.index.plan.version if self.index else None,
             "partitions": self.owned_ids, "forwarded": self.forwarded, "folds": self.ledger.folds,
@@ -466,6 +469,8 @@ class Executor:
             self._answer_straight()
         self.collector.tick()
         now = time.time()
+        if self.subs.changed and now - self.summaries_at >= SUMMARY_S:
+            self._write_summaries(now)
         if now - self.reported[1] >= COUNTS_REPORT_S or (
                 not self.records.changed and self.processed_id != self.reported[0]):
             # counts at most every COUNTS_REPORT_S; a mark alone (entries without records,
@@ -487,6 +492,40 @@ class Executor:
                     adoption.archiver.step(adoption.records, now)
                 else:
                     self._end_adoption(adoption, "its worker is back")
+
+    # --- keyword summaries (Tornado §4) ----------------------------------------------------
+    def _write_summaries(self, now: float) -> None:
+        """The keyword summaries of the tenants whose subscriptions changed, for the routers;
+        a tenant with no range or keyword subscription here has none."""
+        changed, self.subs.changed = self.subs.changed, set()
+        key = names.keyword_summaries_key(self.id)
+        pipe = self.redis.pipeline(transaction=False)
+        for tenant in sorted(changed):
+            summary = self.subs.summary(tenant)
+            if summary is None:
+                pipe.hdel(key, tenant)
+            else:
+                pipe.hset(key, tenant, wire.encode_summary(summary))
+        pipe.execute()
+        self.summaries_at = now
+
+    def _to_match(self, group: list[wire.ObjectBatch], batch: wire.ObjectBatch,
+                  at: list[float]) -> tuple[wire.ObjectBatch, list[float]]:
+        """The rows of the group to match: all but those the router marked as matching
+        none of our subscriptions, when the summary it used still describes them."""
+        token = self.subs.token(batch.tenant)
+        if token is None or not any(m.no_match and m.no_match_token == token for m in group):
+            return batch, at
+        keep = np.ones(len(batch), dtype=bool)
+        offset = 0
+        for m in group:
+            if m.no_match and m.no_match_token == token:
+                rows = np.asarray(m.no_match, dtype=np.int64)
+                keep[offset + rows[(rows >= 0) & (rows < len(m))]] = False
+            offset += len(m)
+        rows_kept = np.flatnonzero(keep).tolist()
+        self.unmatched += len(batch) - len(rows_kept)
+        return batch.take(rows_kept), [at[i] for i in rows_kept]
 
     # --- per-cell counts (CheetahGIS: count queries answered from metadata) ---------------
     def _processed_at_start(self) -> None:
@@ -937,6 +976,9 @@ class Executor:
         self.knnreg.send_asks(tenant, state, pipe)
         subs = self.subs.indexed(tenant)
         if subs is None:
+            return
+        batch, at = self._to_match(group, batch, at)
+        if not len(batch):
             return
         matches = decide(subs.table, subs, batch, at)
         if not matches.rows.size:

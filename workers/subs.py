@@ -13,6 +13,7 @@ this worker whatever the number of partitions it is indexed in.
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,6 +23,7 @@ import numpy as np
 from app.geo.grid import Grid
 from app.geo.index import GlobalIndex, Partition
 from app.geo.matcher import MatchResult, Sub, SubscriptionIndex, sub_from_spec
+from app.pipeline.wire import KeywordSummary
 from workers.ledger import Rect, rect_of
 
 SMALL_INDEX = 32
@@ -29,6 +31,10 @@ SMALL_INDEX = 32
 partition; the index grows by doubling)."""
 
 DETECT_BITS = {"inside": 1, "enter": 2, "exit": 4}
+
+SUMMARY_MAX_WORDS = 20_000
+"""A partition whose subscriptions use more words than this is summarised as open (any object
+may match): past it, the summary costs the routers more than it saves the matcher."""
 
 
 @dataclass
@@ -111,6 +117,11 @@ class LocalSubs:
     `sync` is given the partitions this worker owns whenever the plan changes; a partition
     that is new here is filled with the subscriptions already held that overlap it (the rest
     arrive with its handoff), one given away is dropped with its index.
+
+    Each tenant's subscriptions here have a token (`token`), a random number drawn when its
+    keyword summary is made (`summary`) and forgotten at the next change of its subscriptions
+    or of the partitions: a router's mark that a row matches nothing (`wire.ObjectBatch`'s
+    `no_match`) holds only while the token it names is still the current one.
     """
 
     def __init__(self, grid: Grid, replicated: bool = False) -> None:
@@ -123,6 +134,36 @@ class LocalSubs:
         self.index: GlobalIndex | None = None
         # index into self.index.partitions -> the PartitionSubs held, None for others'
         self.slot: list[PartitionSubs | None] = []
+        self.tokens: dict[str, int] = {}  # tenant -> the token of its current summary
+        self.changed: set[str] = set()  # tenants whose summary is to be made again
+
+    def _changed(self, tenant: str) -> None:
+        self.tokens.pop(tenant, None)
+        self.changed.add(tenant)
+
+    def token(self, tenant: str) -> int | None:
+        """The token of the tenant's current summary; None when none describes them now."""
+        return self.tokens.get(tenant)
+
+    def summary(self, tenant: str) -> KeywordSummary | None:
+        """The tenant's keyword summary per owned partition, under a new token (None when it
+        holds no range or keyword subscription here, or in replicated mode, where no
+        partition is owned)."""
+        if self.replicated or self.index is None or tenant not in self.tables:
+            self.tokens.pop(tenant, None)
+            return None
+        ev = self.everywhere.get(tenant)
+        base: frozenset[str] | None = frozenset() if ev is None else ev.keyword_summary()
+        parts: dict[str, list[str] | None] = {}
+        for pid, part in self.parts.items():
+            index = part.by_tenant.get(tenant)
+            words = base if index is None or base is None else index.keyword_summary()
+            if words is not None and index is not None and base:
+                words = words | base
+            parts[pid] = (None if words is None or len(words) > SUMMARY_MAX_WORDS
+                          else sorted(words))
+        token = self.tokens[tenant] = secrets.randbits(62) + 1
+        return KeywordSummary(token=token, plan_version=self.index.version, parts=parts)
 
     def __len__(self) -> int:
         return len(self.held)
@@ -133,6 +174,8 @@ class LocalSubs:
     # --- the partitions ---------------------------------------------------------------
     def sync(self, index: GlobalIndex, owned: Sequence[Partition]) -> None:
         self.index, self.grid = index, index.grid
+        self.tokens.clear()
+        self.changed.update(self.tables)
         keep = {p.id: p for p in owned}
         for pid in [pid for pid in self.parts if pid not in keep]:
             del self.parts[pid]
@@ -151,6 +194,7 @@ class LocalSubs:
         """Index a range or keyword subscription; False if it is held already."""
         if sid in self.held:
             return False
+        self._changed(tenant)
         table = self.tables.get(tenant)
         if table is None:
             table = self.tables[tenant] = SubTable()
@@ -175,6 +219,7 @@ class LocalSubs:
         h = self.held.pop(sid, None)
         if h is None:
             return False
+        self._changed(h.tenant)
         if h.rect is None:
             ev = self.everywhere.get(h.tenant)
             if ev is not None and ev.remove(h.key) and not len(ev):

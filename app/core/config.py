@@ -49,6 +49,10 @@ class Settings(BaseSettings):
     # continuous kNN: send every subscription to every worker (the baseline the bounded
     # registrations of app.pipeline.knnreg are measured against)
     knn_broadcast: bool = False
+    # Tornado §4: routers mark the rows that no subscription of the receiving worker can match
+    # by their keywords (the workers' keyword summaries), and the workers skip matching them
+    keyword_summaries: bool = True
+    keyword_summaries_max_age_s: float = 1.0  # how old the summaries a router uses may be
     balance_beta: int = 20
     admin_rebalance_timeout_s: float = 30.0  # POST /v1/admin/rebalance waits this long (503)
 

@@ -32,6 +32,10 @@ WS_CLOSED = Counter("geoswarm_ws_closed_total", "WebSockets closed by the server
 COUNT_QUERIES = Counter("geoswarm_count_queries_total",
                         "Count queries, by how whole cells were counted: from the workers' "
                         "per-cell counts (metadata) or by the workers", ["path"])
+ROUTED_ROWS = Counter("geoswarm_routed_rows_total",
+                      "Rows routed to the workers, by whether the router marked them as matching "
+                      "no subscription there by the workers' keyword summaries (no_match) or "
+                      "not (to_match)", ["mark"])
 QUOTA_REFUSED = Counter("geoswarm_quota_refused_total", "Requests refused by a tenant quota",
                         ["quota"])
 
@@ -101,7 +105,8 @@ class HeartbeatFigures(Collector):
     """What the workers and query runners report in their heartbeats (neither serves
     /metrics): per worker, its hops of the live path (app.pipeline.hops), the buckets its
     process flushed to the archive, how late the last one was (seconds after its bucket left
-    the window) and its archive cut; per runner, archive query parts answered, failed and
+    the window) and its archive cut, and the rows it did not match by the routers' marks from
+    its keyword summaries; per runner, archive query parts answered, failed and
     running, and the rows and bytes its Spark scans read; the parts waiting in the job stream.
     Read before each scrape."""
 
@@ -122,7 +127,8 @@ class HeartbeatFigures(Collector):
             self.workers, self.hops, self.runners, self.queued = {}, {}, {}, None
             return
         docs = _docs(workers)
-        self.workers = {k: doc.get("archive") or {} for k, doc in docs}
+        self.workers = {k: {**(doc.get("archive") or {}),
+                            "skipped": doc.get("skipped_by_summary")} for k, doc in docs}
         self.hops = {k: read_doc(doc.get("hops")) for k, doc in docs}
         self.runners = dict(_docs(runners))
         self.queued = int(queued)
@@ -134,7 +140,10 @@ class HeartbeatFigures(Collector):
             ("geoswarm_archive_flush_lag_seconds", "lag_s", GaugeMetricFamily,
              "How long the last bucket flushed had been out of the window"),
             ("geoswarm_archive_cut_bucket", "cut", GaugeMetricFamily,
-             "A worker's archive cut: the last arrival bucket whose files are committed")]
+             "A worker's archive cut: the last arrival bucket whose files are committed"),
+            ("geoswarm_worker_rows_skipped", "skipped", CounterMetricFamily,
+             "Rows a worker process stored without matching them: the router marked them by "
+             "its keyword summary, which was still current")]
         for name, field, family, doc in per_worker:
             m = family(name, doc, labels=["worker"])
             for w, fig in sorted(self.workers.items()):

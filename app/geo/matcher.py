@@ -378,6 +378,7 @@ class SubscriptionIndex:
         self.rebuild_fraction = rebuild_fraction
         self._cnx = (grid.nx + _COARSE - 1) // _COARSE
         self._vocab: dict[str, int] = {}
+        self._words: list[str] = [""]  # keyword id -> word (0 is _NO_KW)
         self._cap = 0
         self._n = 0  # slots used (live or dead)
         self._alloc(max(capacity, 1))  # slots; grown by doubling
@@ -409,6 +410,7 @@ class SubscriptionIndex:
         i = self._vocab.get(w)
         if i is None:
             i = self._vocab[w] = len(self._vocab) + 1  # 0 is _NO_KW
+            self._words.append(w)
         return i
 
     # ---- public API ------------------------------------------------------------------------
@@ -521,6 +523,32 @@ class SubscriptionIndex:
         self._main_dead = 0
         self._delta = None
         self.rebuilds += 1
+
+    def keyword_summary(self) -> frozenset[str] | None:
+        """Tornado §4's textual summary of the live subscriptions: a set of words such that an
+        object holding none of them matches none of the subscriptions, whatever its position;
+        None when some subscription needs no keyword (any object may match it). A "match any"
+        subscription gives all its words; a "match all" one only its longest (an object without
+        that word cannot hold them all; longer words tend to be rarer, so fewer objects pass)."""
+        live = np.flatnonzero(self.s_alive[: self._n])
+        kwlen = self.s_kwlen[live].astype(np.int64)
+        if (kwlen == 0).any():
+            return None
+        need_all = self.s_need[live] > 1
+        starts = self.s_kwstart[live]
+        # every (slot, word) of the live slots, then one word kept per match-all slot
+        owner = np.repeat(np.arange(live.size, dtype=np.int64), kwlen)
+        rank = np.arange(owner.size, dtype=np.int64) - np.repeat(np.cumsum(kwlen) - kwlen, kwlen)
+        ids = self._kw_pool[np.repeat(starts, kwlen) + rank].astype(np.int64)
+        if need_all.any():
+            word_len = np.fromiter(map(len, self._words), dtype=np.int64, count=len(self._words))
+            longest_first = np.lexsort((-word_len[ids], owner))
+            keep = np.zeros(owner.size, dtype=bool)
+            keep[longest_first[_run_starts(owner[longest_first])]] = True
+            keep |= ~need_all[owner]
+            ids = ids[keep]
+        words = self._words
+        return frozenset(words[i] for i in np.unique(ids).tolist())
 
     def memory_bytes(self) -> int:
         """Estimated bytes held by the index (numpy arrays + vocabulary)."""

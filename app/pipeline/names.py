@@ -135,6 +135,12 @@ def object_expiry_key(tenant: str) -> str:
 OBJECT_EXPIRY_TENANTS = "gs:posexp:tenants"  # set: tenants whose moving objects can expire
 
 
+def keyword_summaries_key(worker: str) -> str:
+    """Hash: tenant -> the worker's `wire.KeywordSummary` of that tenant's subscriptions, read
+    by the routers to mark the rows that cannot match there (Tornado §4)."""
+    return f"gs:ksum:{worker}"
+
+
 def window_stream(worker: str) -> str:
     """The records a worker holds in its live window (`wire.ObjectBatch` in field `m`, with
     their arrival time): what it rebuilds its window from after a restart. Trimmed by age."""

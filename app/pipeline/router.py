@@ -18,9 +18,10 @@ import redis.asyncio as aioredis
 import redis.exceptions
 
 from app.core.config import Settings
+from app.core.metrics import ROUTED_ROWS
 from app.geo.grid import Grid
 from app.geo.history import history_plan, sample_cells
-from app.geo.index import GlobalIndex, Plan, initial_plan
+from app.geo.index import GlobalIndex, IntArray, Plan, initial_plan
 from app.models import Subscription
 from app.pipeline import knnreg, names, records, wire
 from app.pipeline.cluster import ALLOCATE_IDS_SCRIPT, live_workers, load_plan, part_seq_floor
@@ -79,6 +80,34 @@ PUBLISH_SETTLE_S = 10.0  # how long a publish whose reply was lost waits to lear
 
 
 BACKLOG_CHECK_S = 0.25  # how old the streams' lengths a publish is checked against may be
+
+
+class RoutedSummary:
+    """One worker's keyword summary of one tenant as a router uses it: the words per
+    partition (None: open) and the token and plan it was made for."""
+
+    __slots__ = ("parts", "plan_version", "token")
+
+    def __init__(self, summary: wire.KeywordSummary) -> None:
+        self.token = summary.token
+        self.plan_version = summary.plan_version
+        self.parts: dict[str, frozenset[str] | None] = {
+            pid: None if words is None else frozenset(words)
+            for pid, words in summary.parts.items()}
+
+
+def no_match_rows(summary: RoutedSummary, pids: list[str], keywords: list[list[str]],
+                  markable: list[bool]) -> list[int]:
+    """The rows (positions in the worker's entry) that no subscription of the summary can
+    match: markable, and holding none of the words of their partition's summary."""
+    parts = summary.parts
+    out = []
+    for j, (pid, kws, ok) in enumerate(zip(pids, keywords, markable, strict=True)):
+        if ok:
+            words = parts.get(pid, None)
+            if words is not None and words.isdisjoint(kws):
+                out.append(j)
+    return out
 
 
 class PublishContention(Exception):
@@ -192,6 +221,11 @@ class Router:
         # tenant -> (when read, cell -> records in the window): the first radius of kNN
         # registrations (one read serves the subscriptions created in the same second)
         self._cell_totals: dict[str, tuple[float, knnreg.CountGrid]] = {}
+        # tenant -> (when read, worker -> its keyword summary of the tenant)
+        self._summaries: dict[str, tuple[float, dict[str, RoutedSummary]]] = {}
+        self.summaries = settings.keyword_summaries and not self.replicated
+        self._marked = ROUTED_ROWS.labels("no_match")
+        self._unmarked = ROUTED_ROWS.labels("to_match")
 
     # --- the plan ------------------------------------------------------------------------
     async def current_index(self) -> GlobalIndex:
@@ -244,7 +278,10 @@ class Router:
                 stored = {oid: v if v is None or isinstance(v, bytes) else v.encode()
                           for oid, v in zip(moving_ids, raw, strict=True)}
             prev, late, checks = last_writer_wins(batch, moving_rows, stored)
-            streams, entries = self._route(index, batch, rids, prev, late, moving_rows)
+            summaries = (await self.keyword_summaries(batch.tenant, index)
+                         if self.summaries else {})
+            streams, entries = self._route(index, batch, rids, prev, late, moving_rows,
+                                           summaries)
             await self._check_backlog(streams)
             args: list[Any] = [PUBLISH_GUARD_TTL_S, len(checks),
                                self.settings.tenant_max_objects, batch.tenant]
@@ -311,10 +348,39 @@ class Router:
             raise Overloaded(f"workers are behind: {', '.join(behind)} hold more than "
                              f"{bound} entries (max_backlog)")
 
+    async def keyword_summaries(self, tenant: str, index: GlobalIndex
+                                ) -> dict[str, RoutedSummary]:
+        """The workers' keyword summaries of a tenant, read at most
+        `keyword_summaries_max_age_s` ago (an older one only marks fewer rows: a worker
+        whose subscriptions changed since ignores its marks)."""
+        now = time.monotonic()
+        held = self._summaries.get(tenant)
+        if held is not None and now - held[0] < self.settings.keyword_summaries_max_age_s:
+            return held[1]
+        workers = index.workers
+        pipe = self.redis.pipeline(transaction=False)
+        for w in workers:
+            pipe.hget(names.keyword_summaries_key(w), tenant)
+        out: dict[str, RoutedSummary] = {}
+        for w, raw in zip(workers, await pipe.execute(), strict=True):
+            if raw is None:
+                continue
+            try:
+                out[w] = RoutedSummary(wire.decode_summary(
+                    raw if isinstance(raw, bytes) else raw.encode()))
+            except ValueError:
+                log.warning("worker %s's keyword summary of %s is unreadable; ignored", w, tenant)
+        if len(self._summaries) > 1000:
+            self._summaries.clear()
+        self._summaries[tenant] = (now, out)
+        return out
+
     def _route(self, index: GlobalIndex, batch: records.RecordBatch, rids: list[str],
                prev: list[tuple[float, float] | None], late: list[bool],
-               moving_rows: list[int]) -> tuple[list[str], list[bytes]]:
-        """The worker streams of a batch and the entry for each."""
+               moving_rows: list[int], summaries: dict[str, RoutedSummary] | None = None
+               ) -> tuple[list[str], list[bytes]]:
+        """The worker streams of a batch and the entry for each; with the workers' keyword
+        summaries, each entry marks the rows its worker need not match."""
         n = batch.size
         rows_by_worker: dict[int, list[int]] = {}
         decide_exit = [False] * n
@@ -328,16 +394,34 @@ class Router:
             for i, w in enumerate(targets):
                 rows_by_worker.setdefault(w, []).append(i)
             decide_exit = [p is not None for p in prev]
+            part = None
         else:
-            self._route_by_partition(index, batch, prev, late, moving_rows, rows_by_worker,
-                                     decide_exit, extra)
+            part = self._route_by_partition(index, batch, prev, late, moving_rows,
+                                            rows_by_worker, decide_exit, extra)
         whole = records.object_batch(batch, rids, prev, late, decide_exit, time.time(),
                                      index.version)
         streams: list[str] = []
         entries: list[bytes] = []
+        pids = index.plan.partitions
         for w, rows in rows_by_worker.items():
-            streams.append(names.worker_stream(index.workers[w]))
-            entries.append(wire.encode_entry(whole.take(rows)))
+            worker = index.workers[w]
+            entry = whole.take(rows)
+            summary = summaries.get(worker) if summaries else None
+            marked = 0
+            if (summary is not None and part is not None
+                    and summary.plan_version == index.version):
+                # A row's matches depend only on its own position unless it has a previous
+                # one to decide enter/exit from (not late): those are never marked.
+                entry.no_match = no_match_rows(
+                    summary, [pids[p].id for p in part[rows].tolist()], entry.keywords,
+                    [p is None or lt for p, lt in zip(entry.prev, entry.late, strict=True)])
+                if entry.no_match:
+                    entry.no_match_token = summary.token
+                    marked = len(entry.no_match)
+            self._marked.inc(marked)
+            self._unmarked.inc(len(rows) - marked)
+            streams.append(names.worker_stream(worker))
+            entries.append(wire.encode_entry(entry))
         by_w: dict[int, list[int]] = {}
         for w, i in extra:
             by_w.setdefault(w, []).append(i)
@@ -352,9 +436,11 @@ class Router:
     def _route_by_partition(index: GlobalIndex, batch: records.RecordBatch,
                             prev: list[tuple[float, float] | None], late: list[bool],
                             moving_rows: list[int], rows_by_worker: dict[int, list[int]],
-                            decide_exit: list[bool], extra: list[tuple[int, int]]) -> None:
+                            decide_exit: list[bool], extra: list[tuple[int, int]]
+                            ) -> IntArray:
         """Each record to the owner of its cell; a moving object that left another worker's
-        partition also to the owner of its previous position, which alone decides `exit`."""
+        partition also to the owner of its previous position, which alone decides `exit`.
+        Returns each row's partition (an index into the plan's partitions)."""
         lon = np.asarray(batch.lon, dtype=np.float64)
         lat = np.asarray(batch.lat, dtype=np.float64)
         part = index.partition_of_points(lon, lat)
@@ -373,6 +459,7 @@ class Router:
                         extra.append((w_prev, i))
                     else:
                         decide_exit[i] = True
+        return part
 
     async def latest(self, tenant: str, object_id: str) -> dict[str, Any] | None:
         raw = await self.redis.hget(names.positions_key(tenant), object_id)

@@ -39,14 +39,20 @@ class SubscriptionCopy(msgspec.Struct, frozen=True):
     epoch: int = 0
 
 
-class ObjectBatch(msgspec.Struct, tag="obj", tag_field="t", rename={
+class ObjectBatch(msgspec.Struct, tag="obj", tag_field="t", omit_defaults=True, rename={
         "tenant": "tn", "sent_at": "at", "plan_version": "v", "ids": "id",
         "record_ids": "rid", "moving": "mv", "keywords": "kw", "text": "txt", "props": "pr",
-        "exit_only": "xo", "decide_exit": "dx"}):
+        "exit_only": "xo", "decide_exit": "dx", "no_match": "nm",
+        "no_match_token": "nmt"}):
     """Records one worker must evaluate, column by column, with each record's previous position
     (moving objects: for enter/exit) and whether this worker only decides its `exit`.
     `plan_version` is the plan the router used: a worker whose plan is newer re-routes the
-    entry (SWARM §5.1)."""
+    entry (SWARM §5.1).
+
+    `no_match`: rows that the router found, by the worker's keyword summary (`KeywordSummary`)
+    of token `no_match_token`, to match none of the worker's subscriptions. The worker skips
+    matching them only while its subscriptions are still those of that token (Tornado §4);
+    they are stored in its window all the same. Not a column: `take` and `concat` drop it."""
 
     tenant: str
     sent_at: float
@@ -64,13 +70,16 @@ class ObjectBatch(msgspec.Struct, tag="obj", tag_field="t", rename={
     late: list[bool]  # older than the object's latest record: no position change
     exit_only: list[bool]
     decide_exit: list[bool]
+    no_match: list[int] = []
+    no_match_token: int = 0
 
     def __len__(self) -> int:
         return len(self.ids)
 
     def take(self, rows: list[int]) -> ObjectBatch:
         """The batch of the given rows, in that order."""
-        cols = {name: list(map(getattr(self, name).__getitem__, rows)) for name in COLUMNS}
+        cols: dict[str, Any] = {name: list(map(getattr(self, name).__getitem__, rows))
+                                for name in COLUMNS}
         return ObjectBatch(tenant=self.tenant, sent_at=self.sent_at,
                            plan_version=self.plan_version, **cols)
 
@@ -80,8 +89,9 @@ class ObjectBatch(msgspec.Struct, tag="obj", tag_field="t", rename={
         if len(batches) == 1:
             return batches[0]
         first = batches[0]
-        cols = {name: list(chain.from_iterable(getattr(b, name) for b in batches))
-                for name in COLUMNS}
+        cols: dict[str, Any] = {
+            name: list(chain.from_iterable(getattr(b, name) for b in batches))
+            for name in COLUMNS}
         return ObjectBatch(tenant=first.tenant, sent_at=first.sent_at,
                            plan_version=first.plan_version, **cols)
 
@@ -327,6 +337,29 @@ def decode_query_part(fields: dict[bytes, bytes]) -> QueryPart:
     if not isinstance(part, QueryPart):
         raise ValueError(f"a {type(part).__name__}, not a query part")
     return part
+
+
+class KeywordSummary(msgspec.Struct, array_like=True):
+    """Tornado §4's textual summary of one tenant's subscriptions on one worker, per partition
+    it owns (`names.keyword_summaries_key`): the words an object in that partition must hold one
+    of to match any of them (`SubscriptionIndex.keyword_summary`), or None when any object there
+    may match. `token` names the state of the worker's subscriptions it describes (a new one at
+    every change, `workers.subs.LocalSubs`); `plan_version` is the worker's plan then."""
+
+    token: int
+    plan_version: int
+    parts: dict[str, list[str] | None]
+
+
+_summary_decoder = msgspec.msgpack.Decoder(KeywordSummary)
+
+
+def encode_summary(summary: KeywordSummary) -> bytes:
+    return _entry_encoder.encode(summary)
+
+
+def decode_summary(data: bytes) -> KeywordSummary:
+    return _summary_decoder.decode(data)
 
 
 # --- a worker's command stream (SWARM §4.3.1, §5) -------------------------------------------

@@ -90,6 +90,42 @@ def test_match_equals_brute_force(seed: int, n_subs: int, n_obj: int) -> None:
     assert_same(filtered.match(lon, lat, kws), want)
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 2**32 - 1), st.integers(0, 60), st.integers(1, 120), st.booleans())
+def test_keyword_summary_lets_through_every_object_that_can_match(
+        seed: int, n_subs: int, n_obj: int, with_removals: bool) -> None:
+    """An object holding no word of the summary matches no subscription (Tornado §4); the
+    summary is None exactly when a live subscription needs no keyword."""
+    rng = np.random.default_rng(seed)
+    subs = [random_sub(rng, k) for k in range(n_subs)]
+    idx = SubscriptionIndex(GRID, rebuild_min=8)
+    idx.add_many(subs)
+    if with_removals:  # dead slots, in the frozen CSRs and in the delta
+        for s in subs[::3]:
+            idx.remove(s.key)
+        subs = [s for s in subs if s.key % 3]
+    summary = idx.keyword_summary()
+    assert (summary is None) == any(not s.keywords for s in subs)
+    if summary is None:
+        return
+    assert summary <= {w for s in subs for w in s.keywords}
+    lon, lat, kws = random_objects(rng, n_obj, subs)
+    o, _k = brute_force_match(subs, lon, lat, kws)
+    assert all(not summary.isdisjoint(kws[i]) for i in set(o.tolist()))
+
+
+def test_keyword_summary_takes_the_longest_word_of_a_match_all_subscription() -> None:
+    idx = SubscriptionIndex(GRID)
+    assert idx.keyword_summary() == frozenset()
+    idx.add(Sub(0, "keyword", keywords=("the", "earthquake", "in"), match_all=True))
+    idx.add(Sub(1, "bbox", bbox=(0, 0, 1, 1), keywords=("a", "bb"), match_all=False))
+    assert idx.keyword_summary() == {"earthquake", "a", "bb"}
+    idx.add(Sub(2, "bbox", bbox=(0, 0, 1, 1)))
+    assert idx.keyword_summary() is None
+    idx.remove(2)
+    assert idx.keyword_summary() == {"earthquake", "a", "bb"}
+
+
 @settings(max_examples=30, deadline=None)
 @given(st.integers(0, 2**32 - 1), st.integers(1, 3000))
 def test_bloom_filter_never_drops_a_present_key(seed: int, n: int) -> None:

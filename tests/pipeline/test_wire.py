@@ -20,8 +20,15 @@ def batch(n: int = 3) -> wire.ObjectBatch:
         decide_exit=[True, True, False][:n])
 
 
+def marked() -> wire.ObjectBatch:
+    b = batch()
+    b.no_match, b.no_match_token = [0, 2], 2**62
+    return b
+
+
 ENTRIES: list[wire.WorkerEntry] = [
     batch(),
+    marked(),
     wire.SubsAdded(subs=[wire.SubscriptionCopy("s1", "acme", {"type": "keyword",
                                                               "keywords": ["a"]}, 9.0)],
                    plan_version=3),
@@ -42,6 +49,9 @@ def test_short_keys_on_the_wire() -> None:
     assert raw["t"] == "obj"
     assert {"tn", "at", "v", "id", "rid", "mv", "kw", "txt", "pr", "xo", "dx"} <= set(raw)
     assert "tenant" not in raw and "exit_only" not in raw
+    assert "nm" not in raw and "nmt" not in raw  # no marks: nothing on the wire
+    assert {"nm": [0, 2], "nmt": 2**62}.items() <= msgspec.msgpack.decode(
+        wire.encode_entry(marked())).items()
     cmd = msgspec.msgpack.decode(wire.encode_command(wire.ReduceCommand(
         round=3, to="w1", cost_ml=0.5, r_s=9.0, ids=["p9"], plan_version=2)))
     assert cmd == {"t": "reduce", "n": 3, "to": "w1", "c_ml": 0.5, "r_s": 9.0, "ids": ["p9"],
@@ -103,6 +113,16 @@ def test_take_and_concat_keep_rows_together() -> None:
     both = wire.ObjectBatch.concat([b, picked])
     assert len(both) == 5 and both.record_ids == ["r0", "r1", "r2", "r2", "r0"]
     assert wire.ObjectBatch.concat([b]) is b
+    # marks name rows of their own entry: a new batch of rows has none
+    m = marked()
+    assert m.take([0, 1]).no_match == [] and wire.ObjectBatch.concat([m, m]).no_match == []
+
+
+def test_keyword_summaries_round_trip() -> None:
+    s = wire.KeywordSummary(token=5, plan_version=3, parts={"p1": ["a", "b"], "p2": None})
+    assert wire.decode_summary(wire.encode_summary(s)) == s
+    with pytest.raises(msgspec.DecodeError):
+        wire.decode_summary(b"garbage")
 
 
 def test_load_reports_round_trip_and_refuse_foreign_json() -> None:

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from app.geo.grid import Grid
 from app.geo.index import GlobalIndex, Partition, Plan, initial_plan
 from app.geo.matcher import Sub, SubscriptionIndex, brute_force_match, sub_from_spec
+from app.pipeline.router import RoutedSummary, no_match_rows
 from app.pipeline.wire import ObjectBatch
 from workers.decide import decide
 from workers.ledger import rect_of
@@ -197,3 +198,63 @@ def test_decide_agrees_with_brute_force(sub_specs: list[dict[str, Any]],
             if was_in and not now_in and r["decide_exit"] and "exit" in detect:
                 want.append((key, row, 2))
     assert found == sorted(want)
+
+
+# --- keyword summaries (Tornado §4) -------------------------------------------------------
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(plan=plans(), sub_specs=st.lists(specs(), min_size=0, max_size=25),
+       recs=st.lists(records(), min_size=1, max_size=30))
+def test_rows_marked_by_the_summary_match_nothing(
+        plan: Plan, sub_specs: list[dict[str, Any]], recs: list[dict[str, Any]]) -> None:
+    """The router's marks from a worker's summary (`no_match_rows`) never fall on a row that
+    `decide` matches there: the rows of the worker's partitions, as the router sends them."""
+    index = GlobalIndex(plan)
+    local = LocalSubs(GRID)
+    local.sync(index, owned(index, "w0"))
+    for i, spec in enumerate(sub_specs):
+        if held_here(index, spec):
+            local.add("t", f"s{i}", spec, None)
+    mine = {index.part_index[p.id] for p in owned(index, "w0")}
+    part = index.partition_of_points([r["pos"][0] for r in recs], [r["pos"][1] for r in recs])
+    rows = [i for i, p in enumerate(part.tolist()) if p in mine and not recs[i]["exit_only"]]
+    summary = local.summary("t")
+    view = local.indexed("t")
+    if summary is None or view is None or not rows:
+        assert summary is None or not rows
+        return
+    assert summary.plan_version == plan.version and local.token("t") == summary.token
+    assert set(summary.parts) == {p.id for p in owned(index, "w0")}
+    entry = batch_of(recs).take(rows)
+    marked = no_match_rows(RoutedSummary(summary),
+                           [index.partitions[part[i]].id for i in rows], entry.keywords,
+                           [p is None or lt for p, lt in zip(entry.prev, entry.late, strict=True)])
+    matched = decide(view.table, view, entry, [recs[i]["at"] for i in rows]).rows
+    assert not set(marked) & set(matched.tolist())
+
+
+def test_a_summary_token_lasts_until_the_subscriptions_or_partitions_change() -> None:
+    index = GlobalIndex(initial_plan(GRID, ["w0", "w1"]))
+    local = LocalSubs(GRID)
+    local.sync(index, owned(index, "w0"))
+    assert local.summary("t") is None and local.token("t") is None  # nothing held
+    local.add("t", "s1", {"type": "range", "bbox": [-9, -9, 9, 9], "keywords": ["a"]}, None)
+    local.add("u", "s2", {"type": "keyword", "keywords": ["b", "c"], "match": "all"}, None)
+    assert local.changed == {"t", "u"}
+    first = local.summary("t")
+    assert first is not None and local.token("t") == first.token
+    assert list(first.parts.values()) == [["a"]]
+    u = local.summary("u")
+    assert u is not None and list(u.parts.values()) == [["b"]]  # the longest, then first
+    local.add("u", "s3", {"type": "range", "bbox": [-9, -9, 9, 9]}, None)  # no keyword
+    assert local.token("u") is None and local.token("t") == first.token  # per tenant
+    u = local.summary("u")
+    assert u is not None and list(u.parts.values()) == [None]
+    second = local.summary("t")
+    assert second is not None and second.token != first.token  # a summary: a new token
+    local.sync(GlobalIndex(Plan(version=2, grid=GRID, partitions=index.partitions,
+                                members=["w0", "w1"])), owned(index, "w0"))
+    assert local.token("t") is None and local.token("u") is None
+    assert local.changed >= {"t", "u"}
+    assert local.remove("s1") and local.token("t") is None
+    assert local.summary("t") is None  # no subscription of t left here

@@ -1,0 +1,193 @@
+"""Tornado's textual summaries end to end (real api, workers and Redis): the router marks the
+rows that no subscription of the receiving worker can match by their keywords, the workers
+skip matching exactly those while their subscriptions are unchanged, and a mark made from a
+summary that is out of date (a subscription created since) is ignored: every match is still
+delivered once."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import redis
+
+from app.pipeline import names
+from tests.conftest import LiveServer, start_server
+from tests.workers.harness import Listener, wait_for
+from tests.workers.oracle import Oracle, received_matches
+from tests.workers.test_pipeline import WORDS, assert_exact, create_subs, publish
+
+pytestmark = pytest.mark.slow
+
+TRACKED = ["coffee", "tea", "taxi", "pizza"]  # the words of the first subscriptions
+TENANT = "kwsum"
+WORKERS = 2
+
+
+def tracked_subs(rng: random.Random, n: int) -> list[dict[str, Any]]:
+    """Range (box or circle) and keyword subscriptions, every one with tracked words."""
+    subs: list[dict[str, Any]] = []
+    for i in range(n):
+        kws = {"keywords": rng.sample(TRACKED, rng.randint(1, 3)),
+               "match": rng.choice(["any", "all"])}
+        if i % 5 == 0:
+            subs.append({"type": "keyword", **kws})
+        elif i % 2:
+            x0, y0 = rng.uniform(-2, 1.5), rng.uniform(-1, 0.8)
+            subs.append({"type": "range", "bbox": [x0, y0, x0 + rng.uniform(0.1, 2.0),
+                                                   y0 + rng.uniform(0.05, 1.0)],
+                         "detect": rng.sample(["inside", "enter", "exit"], rng.randint(1, 3)),
+                         **kws})
+        else:
+            subs.append({"type": "range", "circle": {
+                "lon": rng.uniform(-1.5, 1.5), "lat": rng.uniform(-0.8, 0.8),
+                "radius_m": rng.uniform(5_000, 150_000)}, **kws})
+    return subs
+
+
+def events(rng: random.Random, n: int, clock: list[float], words: list[str]
+           ) -> list[dict[str, Any]]:
+    """Objects without an id (each row is markable), with lower-case keywords."""
+    out = []
+    for _ in range(n):
+        clock[0] += 1.0
+        out.append({"lon": rng.uniform(-2.5, 2.5), "lat": rng.uniform(-1.2, 1.2),
+                    "keywords": rng.sample(words, rng.randint(0, 3)), "ts": clock[0]})
+    return out
+
+
+def movers(rng: random.Random, n: int, clock: list[float]) -> list[dict[str, Any]]:
+    """Moving objects: first positions are markable, later ones (enter/exit) never."""
+    out = []
+    for _ in range(n):
+        clock[0] += 1.0
+        out.append({"id": f"car-{rng.randrange(20)}", "lon": rng.uniform(-2.5, 2.5),
+                    "lat": rng.uniform(-1.2, 1.2), "keywords": rng.sample(WORDS, 2),
+                    "ts": clock[0]})
+    return out
+
+
+def marked_rows(server: LiveServer) -> float:
+    text = httpx.get(server.base_url + "/metrics", timeout=10).text
+    m = re.search(r'^geoswarm_routed_rows_total\{mark="no_match"\} (\S+)$', text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def skipped_by_workers(server: LiveServer) -> float:
+    """The rows the workers stored without matching (their heartbeats, through /metrics)."""
+    text = httpx.get(server.base_url + "/metrics", timeout=10).text
+    return sum(float(v) for v in re.findall(
+        r'^geoswarm_worker_rows_skipped_total\{worker="w\d+"\} (\S+)$', text, re.M))
+
+
+def untracked(obj: dict[str, Any], words: list[str]) -> bool:
+    return not set(obj["keywords"]) & set(words)
+
+
+@pytest.fixture
+def server(tmp_path: Path, redis_url: str) -> Iterator[LiveServer]:
+    # the routers keep the first summaries they read for the whole test: every mark made
+    # after a subscription change is made from an out-of-date summary
+    s = start_server(tmp_path, redis_url, workers=WORKERS,
+                     GEOSWARM_KEYWORD_SUMMARIES_MAX_AGE_S="3600")
+    s.wait_workers(WORKERS)
+    yield s
+    s.stop()
+
+
+def test_marks_skip_matching_and_out_of_date_marks_are_ignored(server: LiveServer) -> None:
+    asyncio.run(_marks(server))
+
+
+async def _marks(server: LiveServer) -> None:
+    rng = random.Random(7)
+    key = server.new_key(TENANT)
+    oracle = Oracle()
+    client = redis.Redis.from_url(server.redis_url)
+    async with httpx.AsyncClient(base_url=server.base_url, timeout=30) as http:
+        await create_subs(http, key, tracked_subs(rng, 60), oracle)
+        listener = Listener(server.ws_url, key)
+        await listener.connect()
+        await listener.listen(all=True)
+        # every worker holds keyword subscriptions of the tenant: each writes a summary
+        assert await wait_for(lambda: all(
+            client.hget(names.keyword_summaries_key(f"w{i}"), TENANT) is not None
+            for i in range(WORKERS)), 30)
+
+        # 1. summaries in force: every event without a tracked word is marked, and skipped
+        clock = [1_700_000_000.0]
+        first = [*events(rng, 400, clock, WORDS), *movers(rng, 100, clock)]
+        before = marked_rows(server)
+        for a in range(0, len(first), 100):
+            await publish(http, key, first[a:a + 100], oracle)
+        marked_first = marked_rows(server) - before
+        seen: set[str] = set()
+        markable = 0  # events, and the first position of each mover (no enter/exit to decide)
+        for o in first:
+            markable += untracked(o, TRACKED) and o.get("id") not in seen
+            if "id" in o:
+                seen.add(o["id"])
+        assert marked_first == markable > 100
+        assert await wait_for(lambda: skipped_by_workers(server) == marked_first, 30), (
+            f"workers skipped {skipped_by_workers(server)} rows, {marked_first} were marked")
+
+        # 2. a subscription to a new word; the routers still hold the old summaries, so the
+        # objects with that word are marked, and must be matched all the same
+        await create_subs(http, key, [
+            {"type": "keyword", "keywords": ["rain"]},
+            {"type": "range", "bbox": [-2.5, -1.2, 2.5, 1.2], "keywords": ["rain", "bus"],
+             "match": "all"}], oracle)
+        later = events(rng, 300, clock, ["rain", "bus", "coffee", "park"])
+        before = marked_rows(server)
+        for a in range(0, len(later), 100):
+            await publish(http, key, later[a:a + 100], oracle)
+        assert marked_rows(server) - before == sum(untracked(o, TRACKED) for o in later)
+        assert sum("rain" in o["keywords"] for o in later) > 50
+
+        assert oracle.total() > 200
+        await wait_for(lambda: len(listener.matches()) >= oracle.total(), 60)
+        await asyncio.sleep(1.0)  # duplicates or extras would arrive now
+        assert_exact(received_matches(listener.messages), oracle)
+        # the out-of-date marks were not followed
+        await asyncio.sleep(1.5)  # a heartbeat
+        assert skipped_by_workers(server) == marked_first
+        await listener.close()
+    client.close()
+
+
+def test_without_summaries_nothing_is_marked(tmp_path: Path, redis_url: str) -> None:
+    s = start_server(tmp_path, redis_url, workers=1, GEOSWARM_KEYWORD_SUMMARIES="false")
+    try:
+        s.wait_workers(1)
+        asyncio.run(_unmarked(s))
+    finally:
+        s.stop()
+
+
+async def _unmarked(server: LiveServer) -> None:
+    rng = random.Random(3)
+    key = server.new_key(TENANT)
+    oracle = Oracle()
+    client = redis.Redis.from_url(server.redis_url)
+    async with httpx.AsyncClient(base_url=server.base_url, timeout=30) as http:
+        await create_subs(http, key, tracked_subs(rng, 20), oracle)
+        listener = Listener(server.ws_url, key)
+        await listener.connect()
+        await listener.listen(all=True)
+        assert await wait_for(lambda: client.hget(names.keyword_summaries_key("w0"), TENANT)
+                              is not None, 30)
+        clock = [1_700_000_000.0]
+        for _ in range(3):
+            await publish(http, key, events(rng, 100, clock, WORDS), oracle)
+        await wait_for(lambda: len(listener.matches()) >= oracle.total(), 60)
+        await asyncio.sleep(1.0)
+        assert_exact(received_matches(listener.messages), oracle)
+        assert marked_rows(server) == 0
+        await listener.close()
+    client.close()
