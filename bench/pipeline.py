@@ -4,7 +4,12 @@ against the matcher's exact set of matches (no loss, no duplicate).
 
 Scenarios: `selective` (100 000 range/keyword subscriptions, most with keywords: about one
 match per object), `dense` (spatial-only subscriptions over dense cities: tens of matches per
-object), `latency` (the selective workload paced at a fixed rate).
+object), `latency` (the selective workload paced at a fixed rate), `keywords` (100 000
+subscriptions that all need a keyword, tracking 300 words: Tornado's textual summaries let
+most objects be stored without matching).
+
+`--summaries both` runs the workload twice, on fresh servers, without and with the keyword
+summaries (GEOSWARM_KEYWORD_SUMMARIES), and prints the two reports side by side.
 
 The report ends with the breakdown of the path per hop (`app.pipeline.hops`, read from
 /metrics before and after the run): how many objects or matches each hop measured, and their
@@ -43,6 +48,9 @@ SCENARIOS: dict[str, dict[str, Any]] = {
                        "circle_fraction": 0.2, "jitter_km": 3.0}, "rate": None},
     "latency": {"subs": {"keyword_fraction": 0.97, "keyword_only_fraction": 0.02,
                          "circle_fraction": 0.2, "all_fraction": 0.3}, "rate": 10_000},
+    "keywords": {"subs": {"keyword_fraction": 1.0, "keyword_only_fraction": 0.02,
+                          "circle_fraction": 0.2, "all_fraction": 0.3, "topics": 300},
+                 "rate": None},
 }
 
 
@@ -67,6 +75,20 @@ def cpu_seconds(server: LiveServer) -> dict[str, float]:
 
 
 HOP_ORDER = (*API_HOPS, *WORKER_HOPS, *HUB_HOPS)
+
+
+def summary_rows(base_url: str) -> dict[str, float]:
+    """Rows routed with and without a no-match mark, and rows the workers did not match
+    (/metrics; the workers' figure is as of their last heartbeat)."""
+    text = httpx.get(base_url + "/metrics", timeout=10).text
+    out = {"routed_no_match": 0.0, "routed_to_match": 0.0, "workers_skipped": 0.0}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "geoswarm_routed_rows_total":
+                out["routed_" + sample.labels["mark"]] += sample.value
+            elif sample.name == "geoswarm_worker_rows_skipped_total":
+                out["workers_skipped"] += sample.value
+    return out
 
 
 def hop_counts(base_url: str) -> dict[str, tuple[list[int], float]]:
@@ -279,6 +301,7 @@ async def drive(server: LiveServer, scenario: str, n_subs: int, n_objects: int, 
 
         cpu0 = cpu_seconds(server)
         hops0 = hop_counts(server.base_url)
+        rows0 = summary_rows(server.base_url)
         reset_redis_stats(server.redis_url)
         t_pub = time.perf_counter()
         tasks = []
@@ -296,6 +319,7 @@ async def drive(server: LiveServer, scenario: str, n_subs: int, n_objects: int, 
         commands = redis_commands(server.redis_url)
         await asyncio.sleep(1.0)  # duplicates or extras would arrive now (and heartbeats)
         hops = hop_breakdown(hops0, hop_counts(server.base_url))
+        rows = {k: int(v - rows0[k]) for k, v in summary_rows(server.base_url).items()}
         receiver.task.cancel()
     receiver.parse()
     want = {(sub_ids[k], obj_ids[o]) for k, o in expected}
@@ -317,19 +341,21 @@ async def drive(server: LiveServer, scenario: str, n_subs: int, n_objects: int, 
         "latency_ms_p50": round(pct(0.50), 1), "latency_ms_p95": round(pct(0.95), 1),
         "latency_ms_p99": round(pct(0.99), 1),
         "latency_ms_mean": round(statistics.fmean(lat_ms), 1) if lat_ms else None,
-        "cpu_seconds": cpu, "wall_seconds": round(done_s, 1), **hops,
+        "cpu_seconds": cpu, "wall_seconds": round(done_s, 1), **rows, **hops,
         **commands,
     }
 
 
 def run(scenario: str = "selective", subs: int = 100_000, objects: int = 500_000,
         batch: int = 2_000, rate: float | None = None, workers: int = 2, seed: int = 1,
-        concurrency: int = 4, api_processes: int = 1) -> dict[str, Any]:
+        concurrency: int = 4, api_processes: int = 1, summaries: bool = True
+        ) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="geoswarm-bench-"))
     redis_server = start_embedded_redis(Settings(data_dir=tmp / "redis"))
     server = start_server(tmp, redis_server.url, workers=workers, api_processes=api_processes,
                           GEOSWARM_RATE_LIMIT_PER_S="0", GEOSWARM_WINDOW_S="120",
-                          GEOSWARM_MAX_BATCH="10000")
+                          GEOSWARM_MAX_BATCH="10000",
+                          GEOSWARM_KEYWORD_SUMMARIES="1" if summaries else "0")
     try:
         server.wait_workers(workers)
         server.redis_pid = redis_server.process.pid
@@ -353,12 +379,23 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--concurrency", type=int, default=4, help="publish requests in flight")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--api-processes", type=int, default=1)
+    ap.add_argument("--summaries", choices=["on", "off", "both"], default="on",
+                    help="Tornado's keyword summaries at the routers; both: a run without "
+                    "them, then one with them, side by side")
     a = ap.parse_args(argv)
-    out = run(a.scenario, a.subs, a.objects, a.batch, a.rate, a.workers, a.seed, a.concurrency,
-              a.api_processes)
-    width = max(len(k) for k in out)
-    for k, v in out.items():
-        print(f"{k:<{width}}  {v}")
+    sides = {"on": [True], "off": [False], "both": [False, True]}[a.summaries]
+    outs = [run(a.scenario, a.subs, a.objects, a.batch, a.rate, a.workers, a.seed,
+                a.concurrency, a.api_processes, summaries=on) for on in sides]
+    if len(outs) == 1:
+        width = max(len(k) for k in outs[0])
+        for k, v in outs[0].items():
+            print(f"{k:<{width}}  {v}")
+        return
+    keys = list(dict.fromkeys(k for out in outs for k in out))
+    width = max(len(k) for k in keys)
+    print(f"{'':<{width}}  summaries off  |  summaries on")
+    for k in keys:
+        print(f"{k:<{width}}  {outs[0].get(k)}  |  {outs[1].get(k)}")
 
 
 if __name__ == "__main__":

@@ -98,12 +98,17 @@ def _jitter(
 
 
 def _keyword_lists(
-    rng: np.random.Generator, n: int, lo: int, hi: int, zipf: bool = True
+    rng: np.random.Generator, n: int, lo: int, hi: int, zipf: bool = True,
+    topics: int | None = None,
 ) -> list[list[str]]:
     wt = words()
     counts = rng.integers(lo, hi + 1, n)
     p = wt.weight if zipf else None
-    draws = rng.choice(len(wt.words), size=int(counts.sum()), p=p)
+    if topics is None:
+        draws = rng.choice(len(wt.words), size=int(counts.sum()), p=p)
+    else:  # uniform over `topics` words picked once
+        subset = rng.choice(len(wt.words), size=min(topics, len(wt.words)), replace=False)
+        draws = subset[rng.integers(0, subset.size, int(counts.sum()))]
     ws = wt.words
     out: list[list[str]] = []
     pos = 0
@@ -173,6 +178,7 @@ def make_subscriptions(
     side_fraction: float = 0.0016,
     jitter_km: float = 25.0,
     zipf_keywords: bool = False,
+    topics: int | None = None,
 ) -> list[dict[str, Any]]:
     """n API-shaped subscription dicts (`{"type": "range", "bbox": [...], ...}`).
 
@@ -182,7 +188,8 @@ def make_subscriptions(
     keyword lists use match "all" (CONTAINS), the others "any" (OVERLAPS).
     Subscription keywords are topical: uniform over the vocabulary by default (people
     subscribe to "earthquake", not to the words every post contains); `zipf_keywords=True`
-    draws them by real frequency like object keywords, a much heavier workload.
+    draws them by real frequency like object keywords, a much heavier workload; `topics`
+    limits them to that many words of the vocabulary (the subscribers track a few subjects).
     """
     c = cities()
     kinds = rng.random(n)
@@ -190,7 +197,7 @@ def make_subscriptions(
     clon, clat = _jitter(rng, c.lon[pick], c.lat[pick], jitter_km)
     half_w = 360.0 * side_fraction / 2
     half_h = 180.0 * side_fraction / 2
-    kwl = _keyword_lists(rng, n, 1, 3, zipf=zipf_keywords)
+    kwl = _keyword_lists(rng, n, 1, 3, zipf=zipf_keywords, topics=topics)
     has_kw = rng.random(n) < keyword_fraction
     match_all = rng.random(n) < all_fraction
     circle = rng.random(n) < circle_fraction
