@@ -84,9 +84,10 @@ BACKLOG_CHECK_S = 0.25  # how old the streams' lengths a publish is checked agai
 
 class RoutedSummary:
     """One worker's keyword summary of one tenant as a router uses it: the words per
-    partition (None: open) and the token and plan it was made for."""
+    partition (None: open) and the token and plan it was made for; `open` when no partition
+    has words (no row can be marked)."""
 
-    __slots__ = ("parts", "plan_version", "token")
+    __slots__ = ("_aligned", "open", "parts", "plan_version", "token")
 
     def __init__(self, summary: wire.KeywordSummary) -> None:
         self.token = summary.token
@@ -94,19 +95,28 @@ class RoutedSummary:
         self.parts: dict[str, frozenset[str] | None] = {
             pid: None if words is None else frozenset(words)
             for pid, words in summary.parts.items()}
+        self.open = all(words is None for words in self.parts.values())
+        self._aligned: list[frozenset[str] | None] | None = None
+
+    def by_partition(self, index: GlobalIndex) -> list[frozenset[str] | None]:
+        """The words of each partition of the plan, by its index there (None for the open
+        ones and for those the worker does not own); only for the plan of the summary."""
+        if self._aligned is None:
+            self._aligned = [self.parts.get(p.id) for p in index.plan.partitions]
+        return self._aligned
 
 
-def no_match_rows(summary: RoutedSummary, pids: list[str], keywords: list[list[str]],
-                  markable: list[bool]) -> list[int]:
+def no_match_rows(words_by_part: list[frozenset[str] | None], parts: list[int],
+                  keywords: list[list[str]], prev: list[Any], late: list[bool]) -> list[int]:
     """The rows (positions in the worker's entry) that no subscription of the summary can
-    match: markable, and holding none of the words of their partition's summary."""
-    parts = summary.parts
+    match: holding none of the words of their partition (`RoutedSummary.by_partition`), and
+    with no previous position to decide enter or exit from (none, or late)."""
     out = []
-    for j, (pid, kws, ok) in enumerate(zip(pids, keywords, markable, strict=True)):
-        if ok:
-            words = parts.get(pid, None)
-            if words is not None and words.isdisjoint(kws):
-                out.append(j)
+    for j, p in enumerate(parts):
+        words = words_by_part[p]
+        if words is not None and words.isdisjoint(keywords[j]) and (
+                prev[j] is None or late[j]):
+            out.append(j)
     return out
 
 
@@ -402,19 +412,15 @@ class Router:
                                      index.version)
         streams: list[str] = []
         entries: list[bytes] = []
-        pids = index.plan.partitions
         for w, rows in rows_by_worker.items():
             worker = index.workers[w]
             entry = whole.take(rows)
             summary = summaries.get(worker) if summaries else None
             marked = 0
-            if (summary is not None and part is not None
+            if (summary is not None and part is not None and not summary.open
                     and summary.plan_version == index.version):
-                # A row's matches depend only on its own position unless it has a previous
-                # one to decide enter/exit from (not late): those are never marked.
-                entry.no_match = no_match_rows(
-                    summary, [pids[p].id for p in part[rows].tolist()], entry.keywords,
-                    [p is None or lt for p, lt in zip(entry.prev, entry.late, strict=True)])
+                entry.no_match = no_match_rows(summary.by_partition(index), part[rows].tolist(),
+                                               entry.keywords, entry.prev, entry.late)
                 if entry.no_match:
                     entry.no_match_token = summary.token
                     marked = len(entry.no_match)

@@ -226,9 +226,8 @@ def test_rows_marked_by_the_summary_match_nothing(
     assert summary.plan_version == plan.version and local.token("t") == summary.token
     assert set(summary.parts) == {p.id for p in owned(index, "w0")}
     entry = batch_of(recs).take(rows)
-    marked = no_match_rows(RoutedSummary(summary),
-                           [index.partitions[part[i]].id for i in rows], entry.keywords,
-                           [p is None or lt for p, lt in zip(entry.prev, entry.late, strict=True)])
+    marked = no_match_rows(RoutedSummary(summary).by_partition(index), part[rows].tolist(),
+                           entry.keywords, entry.prev, entry.late)
     matched = decide(view.table, view, entry, [recs[i]["at"] for i in rows]).rows
     assert not set(marked) & set(matched.tolist())
 
