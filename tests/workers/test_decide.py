@@ -76,6 +76,17 @@ def held_here(index: GlobalIndex, spec: dict[str, Any]) -> bool:
     return any(p.overlaps(*rect_of(GRID, spec)) for p in owned(index, "w0"))
 
 
+def held_by_w0(index: GlobalIndex, specs: list[dict[str, Any]]) -> LocalSubs:
+    """Worker w0's subscriptions of tenant "t" (`s<i>` for specs[i]) under the plan: those the
+    router sends it."""
+    local = LocalSubs(GRID)
+    local.sync(index, owned(index, "w0"))
+    for i, spec in enumerate(specs):
+        if held_here(index, spec):
+            local.add("t", f"s{i}", spec, None)
+    return local
+
+
 def one_index(local: LocalSubs, tenant: str) -> SubscriptionIndex:
     """Every subscription of the tenant held by `local`, in one index (the per-worker index
     this replaced)."""
@@ -96,11 +107,7 @@ def test_partitioned_index_finds_what_one_index_finds(
         plan: Plan, later: Plan, sub_specs: list[dict[str, Any]],
         pts: list[tuple[tuple[float, float], list[str]]]) -> None:
     index = GlobalIndex(plan)
-    local = LocalSubs(GRID)
-    local.sync(index, owned(index, "w0"))
-    for i, spec in enumerate(sub_specs):
-        if held_here(index, spec):
-            local.add("t", f"s{i}", spec, None)
+    local = held_by_w0(index, sub_specs)
     local.add("other", "x", {"type": "range", "bbox": [-10, -10, 10, 10]}, None)
     lon = [p[0][0] for p in pts]
     lat = [p[0][1] for p in pts]
@@ -210,11 +217,7 @@ def test_rows_marked_by_the_summary_match_nothing(
     """The router's marks from a worker's summary (`no_match_rows`) never fall on a row that
     `decide` matches there: the rows of the worker's partitions, as the router sends them."""
     index = GlobalIndex(plan)
-    local = LocalSubs(GRID)
-    local.sync(index, owned(index, "w0"))
-    for i, spec in enumerate(sub_specs):
-        if held_here(index, spec):
-            local.add("t", f"s{i}", spec, None)
+    local = held_by_w0(index, sub_specs)
     mine = {index.part_index[p.id] for p in owned(index, "w0")}
     part = index.partition_of_points([r["pos"][0] for r in recs], [r["pos"][1] for r in recs])
     rows = [i for i, p in enumerate(part.tolist()) if p in mine and not recs[i]["exit_only"]]

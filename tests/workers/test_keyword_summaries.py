@@ -86,6 +86,24 @@ def skipped_by_workers(server: LiveServer) -> float:
         r'^geoswarm_worker_rows_skipped_total\{worker="w\d+"\} (\S+)$', text, re.M))
 
 
+async def listening(server: LiveServer, http: httpx.AsyncClient, key: str,
+                    specs: list[dict[str, Any]], oracle: Oracle, workers: int) -> Listener:
+    """Create the subscriptions, listen to them all, and wait until each of the `workers`
+    first ones wrote its keyword summary of the tenant."""
+    await create_subs(http, key, specs, oracle)
+    listener = Listener(server.ws_url, key)
+    await listener.connect()
+    await listener.listen(all=True)
+    client = redis.Redis.from_url(server.redis_url)
+    try:
+        assert await wait_for(lambda: all(
+            client.hget(names.keyword_summaries_key(f"w{i}"), TENANT) is not None
+            for i in range(workers)), 30)
+    finally:
+        client.close()
+    return listener
+
+
 def untracked(obj: dict[str, Any], words: list[str]) -> bool:
     return not set(obj["keywords"]) & set(words)
 
@@ -109,16 +127,9 @@ async def _marks(server: LiveServer) -> None:
     rng = random.Random(7)
     key = server.new_key(TENANT)
     oracle = Oracle()
-    client = redis.Redis.from_url(server.redis_url)
     async with httpx.AsyncClient(base_url=server.base_url, timeout=30) as http:
-        await create_subs(http, key, tracked_subs(rng, 60), oracle)
-        listener = Listener(server.ws_url, key)
-        await listener.connect()
-        await listener.listen(all=True)
         # every worker holds keyword subscriptions of the tenant: each writes a summary
-        assert await wait_for(lambda: all(
-            client.hget(names.keyword_summaries_key(f"w{i}"), TENANT) is not None
-            for i in range(WORKERS)), 30)
+        listener = await listening(server, http, key, tracked_subs(rng, 60), oracle, WORKERS)
 
         # 1. summaries in force: every event without a tracked word is marked, and skipped
         clock = [1_700_000_000.0]
@@ -158,7 +169,6 @@ async def _marks(server: LiveServer) -> None:
         await asyncio.sleep(1.5)  # a heartbeat
         assert skipped_by_workers(server) == marked_first
         await listener.close()
-    client.close()
 
 
 def test_without_summaries_nothing_is_marked(tmp_path: Path, redis_url: str) -> None:
@@ -174,14 +184,8 @@ async def _unmarked(server: LiveServer) -> None:
     rng = random.Random(3)
     key = server.new_key(TENANT)
     oracle = Oracle()
-    client = redis.Redis.from_url(server.redis_url)
     async with httpx.AsyncClient(base_url=server.base_url, timeout=30) as http:
-        await create_subs(http, key, tracked_subs(rng, 20), oracle)
-        listener = Listener(server.ws_url, key)
-        await listener.connect()
-        await listener.listen(all=True)
-        assert await wait_for(lambda: client.hget(names.keyword_summaries_key("w0"), TENANT)
-                              is not None, 30)
+        listener = await listening(server, http, key, tracked_subs(rng, 20), oracle, 1)
         clock = [1_700_000_000.0]
         for _ in range(3):
             await publish(http, key, events(rng, 100, clock, WORDS), oracle)
@@ -190,4 +194,3 @@ async def _unmarked(server: LiveServer) -> None:
         assert_exact(received_matches(listener.messages), oracle)
         assert marked_rows(server) == 0
         await listener.close()
-    client.close()
