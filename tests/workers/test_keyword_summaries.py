@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import random
 import re
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from app.pipeline import names
 from tests.conftest import LiveServer, start_server
 from tests.workers.harness import Listener, wait_for
 from tests.workers.oracle import Oracle, received_matches
+from tests.workers.test_balancing import move_or_split
 from tests.workers.test_pipeline import WORDS, assert_exact, create_subs, publish
 
 pytestmark = pytest.mark.slow
@@ -193,4 +195,42 @@ async def _unmarked(server: LiveServer) -> None:
         await asyncio.sleep(1.0)
         assert_exact(received_matches(listener.messages), oracle)
         assert marked_rows(server) == 0
+        await listener.close()
+
+
+def test_exact_while_partitions_move_and_a_worker_is_killed(tmp_path: Path,
+                                                             redis_url: str) -> None:
+    """Marks made under one plan reach a worker after a move (it forwards them unmarked) or
+    a worker restarted with new tokens (it ignores them): every match is delivered once."""
+    s = start_server(tmp_path, redis_url, workers=3)
+    try:
+        s.wait_workers(3)
+        asyncio.run(_moves_and_kill(s))
+    finally:
+        s.stop()
+
+
+async def _moves_and_kill(server: LiveServer) -> None:
+    rng = random.Random(11)
+    key = server.new_key(TENANT)
+    oracle = Oracle()
+    async with httpx.AsyncClient(base_url=server.base_url, timeout=30) as http:
+        listener = await listening(server, http, key, tracked_subs(rng, 80), oracle, 3)
+        clock = [1_700_000_000.0]
+        marked = marked_rows(server)
+        for i in range(20):
+            batch = [*events(rng, 60, clock, WORDS), *movers(rng, 20, clock)]
+            await publish(http, key, batch, oracle)
+            if i in (4, 14):  # the partition of the centre moves (then splits) to another
+                await asyncio.to_thread(move_or_split, server, 0.0, 0.0, i, i == 14)
+            if i == 8:
+                server.kill("w1", signal.SIGKILL)
+            if i == 11:
+                server.start_worker("w1")
+            await asyncio.sleep(0.15)  # the routers read the summaries made after each change
+        assert marked_rows(server) - marked > 300  # marks were made all along
+        await wait_for(lambda: len(listener.matches()) >= oracle.total(), 90)
+        await asyncio.sleep(1.0)
+        assert_exact(received_matches(listener.messages), oracle)
+        assert skipped_by_workers(server) > 0
         await listener.close()
