@@ -26,8 +26,8 @@ def test_tiny_run_delivers_every_match_once_and_reports_where_time_went() -> Non
 
 
 def test_keyword_workload_side_by_side_with_and_without_summaries() -> None:
-    out = run_bench("pipeline", "--scenario", "keywords", "--subs", "2000", "--objects",
-                    "6000", "--batch", "500", "--summaries", "both")
+    out = run_bench("pipeline", "--scenario", "keywords", "--subs", "1000", "--objects",
+                    "3000", "--batch", "500", "--summaries", "both")
     lines = out.stdout.splitlines()
     assert "summaries off  |  summaries on" in lines[0]
     off, on = {}, {}
@@ -35,10 +35,10 @@ def test_keyword_workload_side_by_side_with_and_without_summaries() -> None:
         key, rest = line.split(None, 1)
         off[key], on[key] = (v.strip() for v in rest.split("|"))
     for side in (off, on):
-        assert int(side["expected_matches"]) > 20
+        assert int(side["expected_matches"]) > 10
         assert int(side["delivered"]) == int(side["expected_matches"])
         assert side["duplicates"] == side["missing"] == side["extra"] == "0"
     assert off["routed_no_match"] == off["workers_skipped"] == "0"
     # most objects hold none of the 300 tracked words: marked, and stored without matching
-    assert int(on["routed_no_match"]) > 6000 // 2
+    assert int(on["routed_no_match"]) > 3000 // 2
     assert 0 < int(on["workers_skipped"]) <= int(on["routed_no_match"])
