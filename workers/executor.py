@@ -506,7 +506,11 @@ class Executor:
                 pipe.hdel(key, tenant)
             else:
                 pipe.hset(key, tenant, wire.encode_summary(summary))
-        pipe.execute()
+        try:
+            pipe.execute()
+        except redis.RedisError:
+            self.subs.changed |= changed  # written again once Redis answers
+            raise
         self.summaries_at = now
 
     def _to_match(self, group: list[wire.ObjectBatch], batch: wire.ObjectBatch,
