@@ -21,7 +21,7 @@ import redis
 from app.core.redis import EmbeddedRedis
 from app.pipeline import names
 from tests.conftest import LiveServer, start_server
-from tests.workers.harness import Listener, wait_for
+from tests.workers.harness import Listener, run_on_cluster, wait_for
 from tests.workers.oracle import Oracle, received_matches
 from tests.workers.test_balancing import move_or_split
 from tests.workers.test_pipeline import WORDS, assert_exact, create_subs, publish
@@ -176,13 +176,8 @@ async def _marks(server: LiveServer) -> None:
 
 def test_without_summaries_nothing_is_marked(tmp_path: Path,
                                              embedded_redis: EmbeddedRedis) -> None:
-    s = start_server(tmp_path, embedded_redis.url, workers=1,
-                     GEOSWARM_KEYWORD_SUMMARIES="false")
-    try:
-        s.wait_workers(1)
-        asyncio.run(_unmarked(s))
-    finally:
-        s.stop()
+    run_on_cluster(tmp_path, embedded_redis.url, 1, _unmarked,
+                   GEOSWARM_KEYWORD_SUMMARIES="false")
 
 
 async def _unmarked(server: LiveServer) -> None:
@@ -206,12 +201,7 @@ def test_exact_while_partitions_move_and_a_worker_is_killed(
     """Marks made under one plan reach a worker after a move (it forwards them unmarked) or
     a worker restarted with new tokens (it ignores them): every match is delivered once.
     (On the embedded Redis only: the test above runs on Redis 7 too.)"""
-    s = start_server(tmp_path, embedded_redis.url, workers=3)
-    try:
-        s.wait_workers(3)
-        asyncio.run(_moves_and_kill(s))
-    finally:
-        s.stop()
+    run_on_cluster(tmp_path, embedded_redis.url, 3, _moves_and_kill)
 
 
 async def _moves_and_kill(server: LiveServer) -> None:
