@@ -157,9 +157,10 @@ class LocalSubs:
         parts: dict[str, list[str] | None] = {}
         for pid, part in self.parts.items():
             index = part.by_tenant.get(tenant)
-            words = base if index is None or base is None else index.keyword_summary()
-            if words is not None and index is not None and base:
-                words = words | base
+            words = base
+            if index is not None and base is not None:  # this partition's own, and base
+                own = index.keyword_summary()
+                words = None if own is None else own | base
             parts[pid] = (None if words is None or len(words) > SUMMARY_MAX_WORDS
                           else sorted(words))
         token = self.tokens[tenant] = secrets.randbits(62) + 1

@@ -89,10 +89,14 @@ def skipped_by_workers(server: LiveServer) -> float:
         r'^geoswarm_worker_rows_skipped_total\{worker="w\d+"\} (\S+)$', text, re.M))
 
 
-async def listening(server: LiveServer, http: httpx.AsyncClient, key: str,
-                    specs: list[dict[str, Any]], oracle: Oracle, workers: int) -> Listener:
-    """Create the subscriptions, listen to them all, and wait until each of the `workers`
-    first ones wrote its keyword summary of the tenant."""
+async def listening(server: LiveServer, http: httpx.AsyncClient,
+                    specs: list[dict[str, Any]], workers: int
+                    ) -> tuple[str, Oracle, Listener]:
+    """A key of the tenant and its oracle; the subscriptions created, a WebSocket listening to
+    them all, once each of the `workers` first workers wrote its keyword summary of the
+    tenant."""
+    key = server.new_key(TENANT)
+    oracle = Oracle()
     await create_subs(http, key, specs, oracle)
     listener = Listener(server.ws_url, key)
     await listener.connect()
@@ -104,7 +108,7 @@ async def listening(server: LiveServer, http: httpx.AsyncClient, key: str,
             for i in range(workers)), 30)
     finally:
         client.close()
-    return listener
+    return key, oracle, listener
 
 
 def untracked(obj: dict[str, Any], words: list[str]) -> bool:
@@ -128,11 +132,9 @@ def test_marks_skip_matching_and_out_of_date_marks_are_ignored(server: LiveServe
 
 async def _marks(server: LiveServer) -> None:
     rng = random.Random(7)
-    key = server.new_key(TENANT)
-    oracle = Oracle()
     async with httpx.AsyncClient(base_url=server.base_url, timeout=30) as http:
         # every worker holds keyword subscriptions of the tenant: each writes a summary
-        listener = await listening(server, http, key, tracked_subs(rng, 60), oracle, WORKERS)
+        key, oracle, listener = await listening(server, http, tracked_subs(rng, 60), WORKERS)
 
         # 1. summaries in force: every event without a tracked word is marked, and skipped
         clock = [1_700_000_000.0]
@@ -182,10 +184,8 @@ def test_without_summaries_nothing_is_marked(tmp_path: Path,
 
 async def _unmarked(server: LiveServer) -> None:
     rng = random.Random(3)
-    key = server.new_key(TENANT)
-    oracle = Oracle()
     async with httpx.AsyncClient(base_url=server.base_url, timeout=30) as http:
-        listener = await listening(server, http, key, tracked_subs(rng, 20), oracle, 1)
+        key, oracle, listener = await listening(server, http, tracked_subs(rng, 20), 1)
         clock = [1_700_000_000.0]
         for _ in range(3):
             await publish(http, key, events(rng, 100, clock, WORDS), oracle)
@@ -206,10 +206,8 @@ def test_exact_while_partitions_move_and_a_worker_is_killed(
 
 async def _moves_and_kill(server: LiveServer) -> None:
     rng = random.Random(11)
-    key = server.new_key(TENANT)
-    oracle = Oracle()
     async with httpx.AsyncClient(base_url=server.base_url, timeout=30) as http:
-        listener = await listening(server, http, key, tracked_subs(rng, 80), oracle, 3)
+        key, oracle, listener = await listening(server, http, tracked_subs(rng, 80), 3)
         clock = [1_700_000_000.0]
         marked = marked_rows(server)
         for i in range(20):
