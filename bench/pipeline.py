@@ -386,16 +386,12 @@ def main(argv: list[str] | None = None) -> None:
     sides = {"on": [True], "off": [False], "both": [False, True]}[a.summaries]
     outs = [run(a.scenario, a.subs, a.objects, a.batch, a.rate, a.workers, a.seed,
                 a.concurrency, a.api_processes, summaries=on) for on in sides]
-    if len(outs) == 1:
-        width = max(len(k) for k in outs[0])
-        for k, v in outs[0].items():
-            print(f"{k:<{width}}  {v}")
-        return
     keys = list(dict.fromkeys(k for out in outs for k in out))
     width = max(len(k) for k in keys)
-    print(f"{'':<{width}}  summaries off  |  summaries on")
+    if len(outs) > 1:
+        print(f"{'':<{width}}  summaries off  |  summaries on")
     for k in keys:
-        print(f"{k:<{width}}  {outs[0].get(k)}  |  {outs[1].get(k)}")
+        print(f"{k:<{width}}  " + "  |  ".join(str(out.get(k)) for out in outs))
 
 
 if __name__ == "__main__":
