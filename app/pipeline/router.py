@@ -45,29 +45,40 @@ log = logging.getLogger(__name__)
 PUBLISH_SCRIPT = """
 if not redis.call('SET', KEYS[1], '1', 'NX', 'EX', ARGV[1]) then return 1 end
 local n, quota = tonumber(ARGV[2]), tonumber(ARGV[3])
-local new_ids = 0
-for i = 0, n - 1 do
-  local read = ARGV[6 + 4 * i]
-  if (redis.call('HGET', KEYS[2], ARGV[5 + 4 * i]) or '') ~= read then
-    redis.call('DEL', KEYS[1])
-    return 0
+-- one HMGET, HSET and ZADD per chunk of objects, not one call per object (unpack's stack)
+local CHUNK = 1000
+local new_ids, pos, exp = 0, {}, {}
+for s = 0, n - 1, CHUNK do
+  local last = math.min(n, s + CHUNK) - 1
+  local ids = {}
+  for i = s, last do ids[#ids + 1] = ARGV[5 + 4 * i] end
+  local held = redis.call('HMGET', KEYS[2], unpack(ids))
+  for i = s, last do
+    local read = ARGV[6 + 4 * i]
+    if (held[i - s + 1] or '') ~= read then
+      redis.call('DEL', KEYS[1])
+      return 0
+    end
+    local new = ARGV[7 + 4 * i]
+    if new ~= '' then
+      if read == '' then new_ids = new_ids + 1 end
+      pos[#pos + 1] = ARGV[5 + 4 * i]
+      pos[#pos + 1] = new
+      exp[#exp + 1] = ARGV[8 + 4 * i]
+      exp[#exp + 1] = ARGV[5 + 4 * i]
+    end
   end
-  if read == '' and ARGV[7 + 4 * i] ~= '' then new_ids = new_ids + 1 end
 end
 if quota > 0 and new_ids > 0 and redis.call('HLEN', KEYS[2]) + new_ids > quota then
   redis.call('DEL', KEYS[1])
   return 2
 end
-local written = false
-for i = 0, n - 1 do
-  local new = ARGV[7 + 4 * i]
-  if new ~= '' then
-    redis.call('HSET', KEYS[2], ARGV[5 + 4 * i], new)
-    redis.call('ZADD', KEYS[3], ARGV[8 + 4 * i], ARGV[5 + 4 * i])
-    written = true
-  end
+for s = 1, #pos, 2 * CHUNK do
+  local last = math.min(#pos, s + 2 * CHUNK - 1)
+  redis.call('HSET', KEYS[2], unpack(pos, s, last))
+  redis.call('ZADD', KEYS[3], unpack(exp, s, last))
 end
-if written then redis.call('SADD', KEYS[4], ARGV[4]) end
+if #pos > 0 then redis.call('SADD', KEYS[4], ARGV[4]) end
 local base = 5 + 4 * n
 for s = 5, #KEYS do
   redis.call('XADD', KEYS[s], '*', 'm', ARGV[base + s - 5])

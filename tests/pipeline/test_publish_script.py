@@ -73,3 +73,32 @@ def test_publish_script_is_all_or_nothing_and_once(rdb: redis.Redis) -> None:
     assert run(rdb, "g3", [("b", b"", p1, 1.0), ("a", p2, p1, 1.0)], quota=1) == 2
     assert rdb.hlen(names.positions_key("t")) == 1 and rdb.xlen("gs:w:x") == 2
     assert run(rdb, "g4", [("a", p2, p1, 300.0)], quota=1) == 1
+
+
+def test_publish_script_over_many_chunks(rdb: redis.Redis) -> None:
+    """Positions are read and written in chunks of the script's own size: a batch spanning
+    several is checked and applied whole, and a change in its last chunk writes nothing."""
+    n = 2_500
+    first = [(f"o{i}", b"", b"p%d" % i, float(i)) for i in range(n)]
+    assert run(rdb, "c1", first) == 1
+    pos = rdb.hgetall(names.positions_key("t"))
+    assert len(pos) == n and pos[b"o2499"] == b"p2499" and pos[b"o1000"] == b"p1000"
+    assert rdb.zscore(names.object_expiry_key("t"), "o2001") == 2001.0
+    # the last object's position read is stale: not one of the 2 500 is written
+    stale = [(f"o{i}", b"p%d" % i, b"q%d" % i, 1e6) for i in range(n - 1)]
+    stale.append((f"o{n - 1}", b"wrong", b"q", 1e6))
+    assert run(rdb, "c2", stale) == 0
+    assert rdb.hget(names.positions_key("t"), "o0") == b"p0" and rdb.xlen("gs:w:x") == 1
+    # objects with nothing to store (older than the stored one) are checked, not written
+    mixed = [(f"o{i}", b"p%d" % i, b"" if i % 2 else b"r%d" % i, 5.0) for i in range(n)]
+    assert run(rdb, "c3", mixed) == 1
+    pos = rdb.hgetall(names.positions_key("t"))
+    assert pos[b"o2498"] == b"r2498" and pos[b"o2499"] == b"p2499"
+    assert rdb.zscore(names.object_expiry_key("t"), "o1") == 1.0
+    assert rdb.zscore(names.object_expiry_key("t"), "o2") == 5.0
+    # the quota counts the new ids of every chunk
+    new = [(f"n{i}", b"", b"x", 1.0) for i in range(1_500)]
+    assert run(rdb, "c4", new, quota=n + 1_499) == 2
+    assert rdb.hlen(names.positions_key("t")) == n
+    assert run(rdb, "c5", new, quota=n + 1_500) == 1
+    assert rdb.hlen(names.positions_key("t")) == n + 1_500
