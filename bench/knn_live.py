@@ -142,6 +142,7 @@ async def drive(server: LiveServer, n_objects: int, n_subs: int, k: int, rate: f
             messages0 = receiver.messages
             cpu0 = cpu_seconds(server)
         plan0 = plan_version(server)
+        reports0 = knn_reports(server)
         reset_redis_stats(server.redis_url)
         start = time.perf_counter()
         sent = await pace(seconds, timed=True)
@@ -154,6 +155,7 @@ async def drive(server: LiveServer, n_objects: int, n_subs: int, k: int, rate: f
             await asyncio.sleep(0.2)
         caught_up_s = time.perf_counter() - start - paced_s
         await receiver.quiet()
+        reports = {n: v - reports0[n] for n, v in knn_reports(server).items()}
         cpu = {n: v - cpu0.get(n, 0.0) for n, v in cpu_seconds(server).items()}
         commands = top_commands(server.redis_url, 3)
         task.cancel()
@@ -187,6 +189,8 @@ async def drive(server: LiveServer, n_objects: int, n_subs: int, k: int, rate: f
         "to_history_ms_p99": pct(0.99, receiver.written_ms),
         "worker_cpu_us_per_update": round(workers_cpu / sent * 1e6, 1),
         "workers_per_subscription": round(sum(held) / max(1, len(held)), 2),
+        "merge_reports_per_update": round(reports["sent"] / max(1, sent), 2),
+        "held_alone_skipped_per_update": round(reports["skipped"] / max(1, sent), 2),
         "plan_changes_while_timed": plan_version(server) - plan0,
         "cpu_seconds": {n: round(v, 1) for n, v in cpu.items()},
         **{f"redis_top_{i + 1}": f"{name} {usec / 1e6:.2f} s"
@@ -207,6 +211,18 @@ def run(n_objects: int = 100_000, n_subs: int = 10_000, k: int = 10, rate: float
             server.start_coordinator()
         return asyncio.run(drive(server, n_objects, n_subs, k, rate, seconds, batch, seed,
                                  check, balance_s))
+
+
+def knn_reports(server: LiveServer) -> dict[str, int]:
+    """The workers' local lists sent to the merge script and those held alone whose change
+    was not sent, so far (from their heartbeats)."""
+    client = redis.Redis.from_url(server.redis_url)
+    try:
+        beats = [orjson.loads(v) for v in client.hvals(names.WORKERS_KEY)]
+    finally:
+        client.close()
+    return {n: sum(int(b.get("knn_reports", {}).get(n, 0)) for b in beats)
+            for n in ("sent", "skipped")}
 
 
 def plan_version(server: LiveServer) -> int:

@@ -380,9 +380,10 @@ class Executor:
         return state
 
     def merge_knn(self, tenant: str, subs: list[KnnSub], pipe: Any,
-                  clear: tuple[str, ...] = ()) -> None:
-        """Report local lists to the merged ones (`workers.knn_reg`)."""
-        self.knnreg.report(tenant, subs, pipe, clear)
+                  clear: tuple[str, ...] = (), force: bool = False) -> None:
+        """Report local lists to the merged ones (`workers.knn_reg`); `force`: whole, even
+        those held alone whose change cannot change the merged list."""
+        self.knnreg.report(tenant, subs, pipe, clear, force)
 
     def _heartbeat(self) -> None:
         info = {
@@ -394,6 +395,7 @@ class Executor:
             "partitions": self.owned_ids, "forwarded": self.forwarded, "folds": self.ledger.folds,
             "knn_registrations": sum(len(s.subs) for s in self.knn.values()),
             "knn_resizes": dict(self.knnreg.resizes),
+            "knn_reports": {"sent": self.knnreg.reports, "skipped": self.knnreg.skipped},
             "archive": {"flushed": self.archiver.flushed, "lag_s": self.archiver.lag_s,
                         "cut": self.archiver.cut},
             "hops": self.hops.doc(),
@@ -707,6 +709,8 @@ class Executor:
                 self.knnreg.on_ask(msg, pipe)
             elif isinstance(msg, wire.KnnArrived):
                 self.knnreg.on_arrived(msg, pipe, notify)
+            elif isinstance(msg, wire.KnnRefresh):
+                self.knnreg.on_refresh(msg, pipe, notify)
             elif isinstance(msg, wire.Takeover):
                 self.migration.receive_takeover(msg, pipe, notify)
                 if msg.adopter == self.id:

@@ -46,6 +46,11 @@ class KnnSub:
     # is registered with (`workers.knn_reg`), infinite when it is sent to every worker.
     radius: float = math.inf
     epoch: int = 0  # of the registration (a newer one replaces it)
+    # The merge script's word at the last report: this worker was the only holder (then only
+    # the changes `KnnRegistry` finds can change the merged list are reported), and the
+    # members (kind, id) in order of the list last reported.
+    sole: bool = False
+    reported: tuple[tuple[int, str], ...] | None = None
 
     def accepts(self, kws: frozenset[str]) -> bool:
         if not self.keywords:

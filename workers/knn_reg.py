@@ -39,16 +39,27 @@ class KnnRegistry:
         # reports queued on a pipeline: (pipeline, position of the call, tenant, sub, epoch)
         self.queued: list[tuple[Any, int, str, KnnSub, int]] = []
         self.resizes = {"grow": 0, "shrink": 0}
+        self.reports = 0  # local lists sent to the merge script
+        self.skipped = 0  # changes of lists held alone that could not change the merged one
 
     # --- reports -------------------------------------------------------------------------
     def report(self, tenant: str, subs: list[KnnSub], pipe: Any,
-               clear: tuple[str, ...] = ()) -> None:
+               clear: tuple[str, ...] = (), force: bool = False) -> None:
         """Each sub's local list to the merge script, on `pipe` (a pipeline: the answers are
-        read by `settle` after it executes) or on the client itself (answered at once)."""
+        read by `settle` after it executes) or on the client itself (answered at once).
+        Unless `force` (or tokens to `clear`), a list this worker holds alone is reported
+        only when the merged list could change (`_merge_could_change`)."""
         ex = self.ex
         direct = not hasattr(pipe, "command_stack")
         for sub in subs:
+            members = tuple((_kind(n[4]), n[1]) for n in sub.local)
+            if not (force or clear) and sub.sole and not _merge_could_change(sub, members):
+                self.skipped += 1
+                continue
+            sub.reported = members
             local = orjson.dumps([[n[0], n[1], n[2], n[3], _kind(n[4])] for n in sub.local])
+            refresh = wire.encode_entry(wire.KnnRefresh(tenant=tenant, ids=[sub.id],
+                                                        epoch=sub.epoch))
             at = -1 if direct else len(pipe.command_stack)
             out = run_script(pipe, self._merge,
                              [names.knn_key(sub.id), names.history_key(sub.id),
@@ -56,7 +67,9 @@ class KnnRegistry:
                              [ex.id, sub.epoch, local, sub.k, ex.settings.history_max_len,
                               int(ex.settings.history_max_age_s) + 60, tenant,
                               int(ex.settings.history_max_age_s * 1000),
-                              history_housekeeping_ms(ex.settings.history_max_age_s), *clear])
+                              history_housekeeping_ms(ex.settings.history_max_age_s),
+                              STREAM_PREFIX, refresh, *clear])
+            self.reports += 1
             if direct:
                 self._answer(tenant, sub, sub.epoch, out)
             else:
@@ -75,8 +88,10 @@ class KnnRegistry:
 
     def _answer(self, tenant: str, sub: KnnSub, epoch: int, out: Any) -> None:
         if isinstance(out, Exception) or not out:
+            sub.sole = False
             return
         status = int(out[0])
+        sub.sole = status != -1 and len(out) > 2 and int(out[2]) == 1
         if status == -1:  # a newer registration leaves us out (its retraction is on its way)
             self.retract(tenant, [sub.id], epoch + 1)
         elif status == 2 and not self.broadcast:
@@ -95,7 +110,20 @@ class KnnRegistry:
         if held is None or held.epoch < m.epoch:
             held = state.add(knn_sub(m.id, m.spec, m.radius_m, m.epoch))
             ex.sub_msgs[m.id] = m
-        self.report(m.tenant, [held], pipe)
+        self.report(m.tenant, [held], pipe, force=True)  # clears its token
+
+    def on_refresh(self, msg: wire.KnnRefresh, pipe: Any,
+                   notify: dict[str, set[str]]) -> None:
+        """Another worker holds lists this worker held alone: report them whole (the merge
+        waits for it); a registration of another epoch has nothing to report."""
+        state = self.ex.knn.get(msg.tenant)
+        if state is None:
+            return
+        subs = [sub for sid in msg.ids
+                if (sub := state.subs.get(sid)) is not None and sub.epoch == msg.epoch]
+        if subs:
+            self.report(msg.tenant, subs, pipe, force=True)
+            notify.setdefault(msg.tenant, set()).update(s.id for s in subs)
 
     def retract(self, tenant: str, ids: list[str], epoch: int) -> None:
         """Registrations older than `epoch` leave this worker (not deleted: see KnnRetract)."""
@@ -270,6 +298,15 @@ class KnnRegistry:
         if changed:
             self.report(msg.tenant, changed, pipe)
             notify.setdefault(msg.tenant, set()).update(s.id for s in changed)
+
+
+def _merge_could_change(sub: KnnSub, members: tuple[tuple[int, str], ...]) -> bool:
+    """Whether a list held alone changed in a way the merge script would act on: its members
+    or their order (the merged list is pushed), or a k-th far enough inside the radius that
+    the registration shrinks. Distances alone change nothing pushed."""
+    if members != sub.reported:
+        return True
+    return len(sub.local) >= sub.k and sub.local[sub.k - 1][0] * knnreg.SHRINK_AT < sub.radius
 
 
 def _kind(key: Any) -> int:

@@ -192,7 +192,7 @@ class Migration:
         ex.rebuild_subscriptions(parts, pipe, msgs)
         for tenant, state in ex.knn.items():
             if state.subs:
-                ex.merge_knn(tenant, list(state.subs.values()), pipe)
+                ex.merge_knn(tenant, list(state.subs.values()), pipe, force=True)
                 notify.setdefault(tenant, set()).update(state.subs)
         log.info("worker %s took over %s of dead worker %s (plan %d)", ex.id, msg.partitions,
                  msg.dead, msg.plan_version)

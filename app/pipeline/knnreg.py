@@ -18,6 +18,11 @@ The hash holds, besides each registered worker's local list under its id:
 - `_p:<worker>` = epoch: a worker the registration was sent to and that has not reported yet;
 - `_h:<plan version>:<worker>` = epoch: a handoff in flight to `worker` carries moving objects
   some local list held; the merged list waits until the receiver took them in.
+- `_l:<worker>` = epoch: the worker was the only holder at its last report (no other list,
+  no token), so it reports only the changes of its list that can change the merged one (its
+  members or their order, or a k-th far inside the radius): its stored distances may be old.
+  A report of another worker makes it report again first (a `_p:` token and a
+  `wire.KnnRefresh` on its stream), so lists are never merged with old distances.
 No list is pushed while a token of the current epoch is pending. A registration that reaches
 a worker after the plan changed is forwarded by it to the owners under the newer plan, each
 with its token (`workers.migration`), as range subscriptions are.
@@ -44,39 +49,62 @@ UNBOUNDED = -1.0  # `_r` of a registration on every worker
 MIN_RADIUS_M = 50.0  # a shrink never goes below this (k objects at one spot)
 GROW = 4.0  # a registration with fewer than k grows its radius this many times
 SHRINK_AT = 4.0  # ...and shrinks to 2 x the k-th once the k-th is this far inside it
-PENDING, HOLD = "_p:", "_h:"
+PENDING, HOLD, SOLE = "_p:", "_h:", "_l:"
 
 # KEYS[1] = gs:knn:<sub>, KEYS[2] = history stream, KEYS[3] = the tenant's hash of last ids
 # (field: the stream; see HISTORY_SCRIPT). ARGV[1] = worker, ARGV[2] = its epoch, ARGV[3] =
 # its local list JSON [[distance, id, lon, lat, kind]], ARGV[4] = k, ARGV[5] = maxlen,
 # ARGV[6] = ttl, ARGV[7] = tenant, ARGV[8] = the history's max age (ms), ARGV[9] = its
-# housekeeping period (ms; see `append_history`), ARGV[10..] = tokens this report clears.
-# Returns {status, kth}: status 1 = a new list was pushed, 0 = nothing changed or waiting,
-# -1 = the report's epoch is stale, 2 = fewer than k within the radius (grow), 3 = the k-th
-# is far inside the radius (shrink); kth as a string.
+# housekeeping period (ms; see `append_history`), ARGV[10] = the worker stream prefix,
+# ARGV[11] = the packed `wire.KnnRefresh` of this subscription and epoch (sent to a sole
+# holder that must report again), ARGV[12..] = tokens this report clears.
+# Returns {status, kth, sole}: status 1 = a new list was pushed, 0 = nothing changed or
+# waiting, -1 = the report's epoch is stale, 2 = fewer than k within the radius (grow), 3 =
+# the k-th is far inside the radius (shrink); kth as a string; sole 1 when the reporter is
+# now the only holder (`_l:`).
 MERGE_SCRIPT = APPEND_HISTORY_LUA + """
 local e = redis.call('HGET', KEYS[1], '_e')
-if not e then return {0, ''} end
-for i = 10, #ARGV do redis.call('HDEL', KEYS[1], ARGV[i]) end
+if not e then return {0, '', 0} end
+for i = 12, #ARGV do redis.call('HDEL', KEYS[1], ARGV[i]) end
 if ARGV[2] ~= e then
-  if tonumber(ARGV[2]) < tonumber(e) then return {-1, ''} end
-  return {0, ''}
+  if tonumber(ARGV[2]) < tonumber(e) then return {-1, '', 0} end
+  return {0, '', 0}
 end
-redis.call('HSET', KEYS[1], ARGV[1], ARGV[3])
-redis.call('HDEL', KEYS[1], '_p:' .. ARGV[1])
+local me = ARGV[1]
+redis.call('HSET', KEYS[1], me, ARGV[3])
+redis.call('HDEL', KEYS[1], '_p:' .. me)
 redis.call('EXPIRE', KEYS[1], 30 * 24 * 3600)
 local k = tonumber(ARGV[4])
 local all = {}
+local waiting, alone = false, true
 local fields = redis.call('HGETALL', KEYS[1])
 for i = 1, #fields, 2 do
   local f = fields[i]
   if string.sub(f, 1, 1) == '_' then
     local t = string.sub(f, 1, 3)
-    if (t == '_p:' or t == '_h:') and fields[i + 1] == e then return {0, ''} end
+    if (t == '_p:' or t == '_h:') and fields[i + 1] == e then
+      waiting, alone = true, false
+    elseif t == '_l:' and fields[i + 1] == e and f ~= '_l:' .. me then
+      -- another sole holder's distances may be old: it reports again before any merge
+      local w = string.sub(f, 4)
+      redis.call('HDEL', KEYS[1], f)
+      redis.call('HSET', KEYS[1], '_p:' .. w, e)
+      redis.call('XADD', ARGV[10] .. w, '*', 'm', ARGV[11])
+      waiting, alone = true, false
+    end
   else
+    if f ~= me then alone = false end
     for _, n in ipairs(cjson.decode(fields[i + 1])) do all[#all + 1] = n end
   end
 end
+local sole = 0
+if alone then
+  redis.call('HSET', KEYS[1], '_l:' .. me, e)
+  sole = 1
+else
+  redis.call('HDEL', KEYS[1], '_l:' .. me)
+end
+if waiting then return {0, '', sole} end
 table.sort(all, function(a, b)
   if a[1] ~= b[1] then return a[1] < b[1] end
   if a[2] ~= b[2] then return a[2] < b[2] end
@@ -94,7 +122,7 @@ for _, n in ipairs(all) do
   end
 end
 local r = tonumber(redis.call('HGET', KEYS[1], '_r') or '-1')
-if #top < k and r >= 0 then return {2, ''} end
+if #top < k and r >= 0 then return {2, '', sole} end
 local want = 0
 local kth = ''
 if #top >= k then
@@ -102,7 +130,7 @@ if #top >= k then
   if r < 0 or top[k].distance_m * 4 < r then want = 3 end
 end
 local key = table.concat(ids, '\\0')
-if redis.call('HGET', KEYS[1], '_merged') == key then return {want, kth} end
+if redis.call('HGET', KEYS[1], '_merged') == key then return {want, kth, sole} end
 redis.call('HSET', KEYS[1], '_merged', key)
 local payload = '[]'
 if #top > 0 then payload = cjson.encode(top) end
@@ -110,8 +138,8 @@ local prev = redis.call('HGET', KEYS[3], KEYS[2]) or '0-0'
 local id = append_history(KEYS[2], prev, ARGV[5], ARGV[8], ARGV[6], ARGV[9], 'k', payload,
                           't', ARGV[7], 'p', prev)
 redis.call('HSET', KEYS[3], KEYS[2], id)
-if want == 3 then return {3, kth} end
-return {1, kth}
+if want == 3 then return {3, kth, sole} end
+return {1, kth, sole}
 """
 
 # A resize: KEYS[1] = gs:knn:<sub>. ARGV[1] = the epoch it was decided on, ARGV[2] = the new
@@ -135,6 +163,8 @@ for _, f in ipairs(redis.call('HKEYS', KEYS[1])) do
   elseif t == '_p:' then
     holders[string.sub(f, 4)] = true
     redis.call('HDEL', KEYS[1], f)
+  elseif t == '_l:' then
+    redis.call('HDEL', KEYS[1], f)
   elseif t == '_h:' then
     local w = string.match(f, '^_h:[^:]*:(.*)$')
     if w then holders[w] = true end
@@ -153,10 +183,11 @@ return 1
 """
 
 # A worker is gone (failover): KEYS[1] = gs:knn:<sub>, ARGV[1] = the worker. Its list and the
-# tokens that wait for it leave the hash.
+# tokens that wait for it (or say it holds alone) leave the hash.
 DROP_WORKER_SCRIPT = """
 for _, f in ipairs(redis.call('HKEYS', KEYS[1])) do
-  if f == ARGV[1] or f == '_p:' .. ARGV[1] or string.match(f, '^_h:[^:]*:(.*)$') == ARGV[1] then
+  if f == ARGV[1] or f == '_p:' .. ARGV[1] or f == '_l:' .. ARGV[1]
+     or string.match(f, '^_h:[^:]*:(.*)$') == ARGV[1] then
     redis.call('HDEL', KEYS[1], f)
   end
 end

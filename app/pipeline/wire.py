@@ -4,7 +4,7 @@ step). Field names say what they are; the short keys on the wire stay short thro
 
 - a worker's stream (`names.worker_stream`): `WorkerEntry` = ObjectBatch | SubsAdded |
   SubsRemoved | ObjectsGone | Handoff | QueryPart | Takeover | KnnRetract | KnnAsk |
-  KnnArrived, in field `m`;
+  KnnArrived | KnnRefresh, in field `m`;
 - a worker's window log (`names.window_stream`): the ObjectBatch of records it stored;
 - a snapshot query's reply list (`names.query_reply_key`): QueryReply;
 - a worker's command stream (`names.command_stream`): `Command` = RoundCommand |
@@ -135,6 +135,16 @@ class KnnRetract(msgspec.Struct, tag="knn-", tag_field="t"):
     shrank or its partitions moved): a registration older than that is dropped here, without
     tombstoning the subscription (a later registration may bring it back)."""
 
+    ids: list[str]
+    epoch: int
+
+
+class KnnRefresh(msgspec.Struct, tag="knn=", tag_field="t", rename={"tenant": "tn"}):
+    """Report your local lists of these subscriptions again, whole (written by the kNN merge
+    script, `app.pipeline.knnreg`): you were their only holder and reported only the changes
+    that could change the merged list; another worker now holds them too."""
+
+    tenant: str
     ids: list[str]
     epoch: int
 
@@ -312,7 +322,7 @@ def decode_query_reply(data: bytes) -> QueryReply:
 
 
 WorkerEntry = (ObjectBatch | SubsAdded | SubsRemoved | ObjectsGone | Handoff | QueryPart
-               | Takeover | KnnRetract | KnnAsk | KnnArrived)
+               | Takeover | KnnRetract | KnnAsk | KnnArrived | KnnRefresh)
 
 _entry_encoder = msgspec.msgpack.Encoder()
 _entry_decoder = msgspec.msgpack.Decoder(WorkerEntry)

@@ -334,6 +334,100 @@ def test_every_knn_list_was_a_true_top_k(cluster: LiveServer) -> None:
     asyncio.run(_knn_history(cluster))
 
 
+def test_a_list_held_alone_is_merged_with_its_distances_of_now(tmp_path: Any,
+                                                               embedded_redis: Any) -> None:
+    """A worker holding a kNN registration alone leaves out the reports of lists whose
+    members and order did not change (the merged list cannot change), so the distances
+    stored for it get old. When a split hands part of the circle to another worker, that
+    worker's first report makes the sole holder report its list again before anything is
+    merged: the object arriving on the new side between two listed ones enters the list at
+    its place. Merged with the old distances, it would not. A server of its own: the plans of
+    its live window must all give the point to one worker (a registration reaches every
+    worker that owned its circle within the window); on the embedded Redis only (suite time:
+    the module's other kNN tests run on Redis 7 too)."""
+    server = start_server(tmp_path, embedded_redis.url, workers=2)
+    try:
+        server.wait_workers(2)
+        asyncio.run(_sole_holder_refresh(server))
+    finally:
+        server.stop()
+
+
+async def _sole_holder_refresh(server: LiveServer) -> None:
+    from app.geo.geometry import haversine_m
+
+    client = redis.Redis.from_url(server.redis_url)
+    workers = ["w0", "w1"]
+    # 96 m east of the boundary between grid columns 777 and 778 (lon 100.08), inside a
+    # partition of the first plan
+    px, py = 100.081, 30.0
+    deg = 1 / (111_320 * 0.8660254)  # degrees of longitude per metre at lat 30
+
+    def east(m: float) -> float:
+        return px + m * deg
+
+    key = server.new_key()
+    headers = {"Authorization": f"Bearer {key}"}
+    async with httpx.AsyncClient(base_url=server.base_url, timeout=30) as http:
+        async def put(oid: str, lon: float) -> None:
+            r = await http.post("/v1/objects", json={"objects": [
+                {"id": oid, "lon": lon, "lat": py, "ts": time.time()}]}, headers=headers)
+            assert r.status_code == 202, r.text
+            await wait_drained(client, workers)
+
+        r = await http.post("/v1/subscriptions", headers=headers,
+                            json={"type": "knn", "point": [px, py], "k": 2})
+        assert r.status_code == 201, r.text
+        sid = r.json()["id"]
+        listener = Listener(server.ws_url, key)
+        await listener.connect()
+        await listener.listen([sid])
+        hkey = names.knn_key(sid)
+        await put("a", east(55))
+        await put("b", east(222))
+
+        def lists() -> list[list[str]]:
+            return [[n["id"] for n in m["neighbors"]] for m in listener.messages
+                    if m["type"] == "knn" and m["subscription"] == sid]
+
+        def holders() -> dict[str, Any]:
+            fields = {k.decode(): v.decode() for k, v in client.hgetall(hkey).items()}
+            return {k: orjson.loads(v) for k, v in fields.items() if not k.startswith("_")}
+
+        # registered everywhere while the tenant had no objects, the radius then shrinks to
+        # twice the k-th distance: one worker holds it, alone
+        plan = plan_of(server)
+        pid, a_worker = owner(plan, px, py)
+        assert await wait_for(lambda: lists()[-1:] == [["a", "b"]] and list(holders())
+                              == [a_worker] and client.hget(hkey, "_l:" + a_worker), 20), (
+            lists(), client.hgetall(hkey))
+        await wait_drained(client, workers)
+        # b moves from 222 m to 400 m: the list keeps its members and order, not reported
+        await put("b", east(400))
+        (stored,) = holders().values()
+        assert [n[1] for n in stored] == ["a", "b"] and round(stored[1][0]) == 222, stored
+        # columns <= 777 (lon < 100.08, within the circle) go to another worker
+        part = next(p for p in plan_of(server).partitions if p.id == pid)
+        assert part.x0 <= 777 < part.x1, part
+        other = sorted(set(workers) - {a_worker})[0]
+        reply = command(server, a_worker, {"t": "split", "partition": pid, "axis": "x",
+                                           "at": 777, "moved": "low", "to": other})
+        assert reply is not None and reply["ok"], reply
+        await wait_drained(client, workers)
+        # c, 300 m west, on the new side: between a (55 m) and b (400 m now, 222 m stored)
+        await put("c", px - 300 * deg)
+        truth = sorted((haversine_m(px, py, x, py), oid)
+                       for oid, x in (("a", east(55)), ("b", east(400)),
+                                      ("c", px - 300 * deg)))
+        assert [oid for _, oid in truth[:2]] == ["a", "c"]
+        assert await wait_for(lambda: lists()[-1:] == [["a", "c"]], 20), lists()
+        assert lists() == [["a"], ["a", "b"], ["a", "c"]]
+        # the sole holder was asked to report again, whole, and holds alone no longer
+        assert other in holders() and not client.hget(hkey, "_l:" + a_worker)
+        assert round(holders()[a_worker][1][0]) == 400
+        await listener.close()
+
+
 async def _knn_history(server: LiveServer) -> None:
     from tests.workers.oracle import knn_oracle, record_keywords
 
