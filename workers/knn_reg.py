@@ -38,7 +38,7 @@ class KnnRegistry:
         self.history = knnreg.PlanHistory()
         # reports queued on a pipeline: (pipeline, position of the call, tenant, sub, epoch)
         self.queued: list[tuple[Any, int, str, KnnSub, int]] = []
-        self.resizes = {"grow": 0, "shrink": 0}
+        self.resizes = {"grow": 0, "shrink": 0, "leave": 0}
         self.reports = 0  # local lists sent to the merge script
         self.skipped = 0  # changes of lists held alone that could not change the merged one
 
@@ -139,8 +139,7 @@ class KnnRegistry:
                     ex.ledger.remove_query(sid)
 
     def resize(self, tenant: str, sub: KnnSub, epoch: int, grow: bool, kth: float) -> None:
-        """Register `sub` again with a grown or shrunk radius (if its epoch is still
-        `epoch`: another worker may have done it)."""
+        """Register `sub` again with a grown or shrunk radius."""
         ex = self.ex
         copy = ex.sub_msgs.get(sub.id)
         if copy is None or ex.index is None:
@@ -155,23 +154,60 @@ class KnnRegistry:
             radius = max(2.0 * kth, knnreg.MIN_RADIUS_M)
             if radius >= sub.radius:
                 return
-        index = ex.index
-        self.history.read(lambda n: ex.redis.lrange(names.PLAN_HISTORY, -n, -1))
+        events = bool(ex.redis.exists(names.events_key(tenant)))
+        self._register_again(sub, copy, epoch, radius, self._workers(sub, radius, events),
+                             "grow" if grow else "shrink")
+
+    def leave_unreached(self, carried: list[tuple[str, KnnSub]]) -> None:
+        """After a move or split handed partitions off with these registrations: those whose
+        circle reaches none of this worker's partitions any more leave it, unless their
+        tenant may have events here (`names.events_key`: they stay where they were stored
+        for the window). Registered again with the same radius on the current owners (a new
+        epoch: the receivers report whole, this worker is retracted), so that a list is not
+        merged with an empty one from a worker that cannot hold its neighbours."""
+        ex = self.ex
+        if self.broadcast or not carried:
+            return
+        tenants = sorted({t for t, _ in carried})
+        pipe = ex.redis.pipeline(transaction=False)
+        for t in tenants:
+            pipe.exists(names.events_key(t))
+        events = dict(zip(tenants, map(bool, pipe.execute()), strict=True))
+        for tenant, sub in carried:
+            copy = ex.sub_msgs.get(sub.id)
+            if events[tenant] or copy is None or not math.isfinite(sub.radius):
+                continue
+            workers = self._workers(sub, sub.radius, False)
+            if ex.id not in workers:
+                self._register_again(sub, copy, sub.epoch, sub.radius, workers, "leave")
+
+    def _workers(self, sub: KnnSub, radius: float, events: bool) -> set[str]:
+        ex = self.ex
+        assert ex.index is not None
+        if events:
+            self.history.read(lambda n: ex.redis.lrange(names.PLAN_HISTORY, -n, -1))
         horizon = time.time() - ex.settings.window_s - ex.settings.bucket_s
-        workers = knnreg.registration_workers(self.history, index, horizon, sub.lon, sub.lat,
-                                              radius)
+        return knnreg.registration_workers(self.history, ex.index, horizon, sub.lon, sub.lat,
+                                           radius, events)
+
+    def _register_again(self, sub: KnnSub, copy: wire.SubscriptionCopy, epoch: int,
+                        radius: float, workers: set[str], why: str) -> None:
+        """The next epoch of a registration, with `radius`, on `workers` (RESIZE_SCRIPT: only
+        if its epoch is still `epoch`; another worker may have done it)."""
+        ex = self.ex
+        assert ex.index is not None
         reg = wire.encode_entry(wire.SubsAdded(subs=[wire.SubscriptionCopy(
             id=copy.id, tenant=copy.tenant, spec=copy.spec, expires_at=copy.expires_at,
             radius_m=radius if math.isfinite(radius) else None, epoch=epoch + 1)],
-            plan_version=index.version))
+            plan_version=ex.index.version))
         retract = wire.encode_entry(wire.KnnRetract(ids=[sub.id], epoch=epoch + 1))
         done = self._resize(keys=[names.knn_key(sub.id)],
                             args=[epoch, knnreg.stored_radius(radius), reg, retract,
                                   STREAM_PREFIX, *sorted(workers)])
         if done:
-            self.resizes["grow" if grow else "shrink"] += 1
-            log.debug("worker %s: kNN %s radius %.0f -> %.0f m on %s", ex.id, sub.id,
-                      sub.radius, radius, sorted(workers))
+            self.resizes[why] += 1
+            log.debug("worker %s: kNN %s (%s) radius %.0f -> %.0f m on %s", ex.id, sub.id,
+                      why, sub.radius, radius, sorted(workers))
 
     def forward(self, m: wire.SubscriptionCopy, since_version: int, owner: str,
                 pipe: Any) -> None:

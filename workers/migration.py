@@ -23,7 +23,7 @@ from app.pipeline import knnreg, names, wire
 from app.pipeline.control import plan_cas_args
 from app.pipeline.router import targets_for_spec
 from workers.decide import known
-from workers.knn import MOVING
+from workers.knn import MOVING, KnnSub
 
 if TYPE_CHECKING:
     from workers.executor import Executor
@@ -212,6 +212,7 @@ class Migration:
         handoffs: list[tuple[str, bytes]] = []
         holds: list[tuple[str, str, str]] = []
         leaving: list[tuple[str, list[str]]] = []
+        carried: dict[str, tuple[str, KnnSub]] = {}  # kNN registrations handed off
         ledger = ex.ledger
         old_rects = {(q.x0, q.y0, q.x1, q.y1): q.id for q in old.partitions
                      if q.worker == ex.id and q.id in ledger.stats}
@@ -238,7 +239,9 @@ class Migration:
             mv: dict[str, list[wire.MovingObject]] = {}
             held: set[str] = set()
             for tenant, state in ex.knn.items():
-                subs += ex.knnreg.handoff(state, reaches)
+                carried_here = ex.knnreg.handoff(state, reaches)
+                subs += carried_here
+                carried.update({c.id: (tenant, state.subs[c.id]) for c in carried_here})
                 # ghosts (on their way to another worker's partition) are not handed off:
                 # they stay here, in the lists that hold them, until their new owner has them
                 objs = [o for o in state.objects.moving_in(inside) if o[0] not in state.ghosts]
@@ -284,6 +287,7 @@ class Migration:
             finally:
                 ex.knnreg.forget(pipe)
             ex.notify([], [], notify)
+        ex.knnreg.leave_unreached(list(carried.values()))
         log.info("worker %s published plan %d: gave %s", ex.id, new_plan.version,
                  {w: [p.id for p in ps] for w, ps in by_worker.items()})
         return {"version": new_plan.version,

@@ -1,9 +1,10 @@
 """Where a continuous kNN subscription is registered, and how its workers' lists are merged.
 
 A kNN subscription is registered with a radius R on the workers that can hold objects within
-R of its point: the owners of the partitions the circle overlaps under the current plan and
-under every plan valid within the live window (events stay on the worker that stored them;
-SWARM §5.2's partition chains). Each of them keeps the k nearest objects *within R* it holds
+R of its point: the owners of the partitions the circle overlaps under the current plan and,
+while the tenant has events in the live window, under every plan valid within it (events stay
+on the worker that stored them; SWARM §5.2's partition chains; moving objects travel with
+their partitions). Each of them keeps the k nearest objects *within R* it holds
 (`workers.knn`), and the merge script below combines their lists in the subscription's hash
 `names.knn_key` (SSTD §6.3's merger, run by Redis: one decision point). The union holds the
 k nearest overall as soon as it has k objects, since everything outside R is farther; with
@@ -335,11 +336,16 @@ class PlanHistory:
 
 
 def registration_workers(history: PlanHistory, current: GlobalIndex, horizon: float,
-                         lon: float, lat: float, radius: float) -> set[str]:
+                         lon: float, lat: float, radius: float, events: bool = True
+                         ) -> set[str]:
     """The workers a registration of `radius` goes to: owners within it under the current
-    plan and every plan of the window (every worker when the history falls short)."""
+    plan and, while the tenant may have events in the window (`names.events_key`), every
+    plan of the window (every worker when the history falls short). Moving objects travel
+    with their partitions: without events the current owners hold everything."""
     if not math.isfinite(radius):
         return set(current.workers)
+    if not events:
+        return circle_workers([current], lon, lat, radius)
     plans = history.since(horizon, current)
     if plans is None:
         return set(current.workers)

@@ -135,6 +135,13 @@ def object_expiry_key(tenant: str) -> str:
 OBJECT_EXPIRY_TENANTS = "gs:posexp:tenants"  # set: tenants whose moving objects can expire
 
 
+def events_key(tenant: str) -> str:
+    """Present while a worker may hold an event of the tenant (a record without an id, kept
+    for the live window where it was stored): renewed by every publish holding one, it
+    expires a window after the last. Without it, kNN registrations need no previous owner."""
+    return f"gs:events:{tenant}"
+
+
 def keyword_summaries_key(worker: str) -> str:
     """Hash: tenant -> the worker's `wire.KeywordSummary` of that tenant's subscriptions, read
     by the routers to mark the rows that cannot match there (Tornado §4)."""

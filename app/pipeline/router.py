@@ -35,11 +35,15 @@ log = logging.getLogger(__name__)
 # `Router.publish` read them (else nothing is written and it reads again). The guard key makes
 # a call the client library sends again after a lost reply a no-op, so a publish is applied
 # once. A publish that would take the tenant over its quota of stored moving objects writes
-# nothing.
-# KEYS: guard, positions hash, expiry zset, tenants with expiries, the worker streams.
-# ARGV: guard ttl, n, quota (0: none), tenant, then n quadruples (object id, its packed
-# position as read or '' for none, the packed position to store or '' to keep it, its expiry
-# time), then one stream entry per stream.
+# nothing. A publish holding events (records without an id: they stay for the live window on
+# the worker that stored them) renews the tenant's events mark (`names.events_key`) for a
+# window: while it is absent, no worker holds an event of the tenant, and kNN registrations
+# need the owners under the current plan alone (`app.pipeline.knnreg`).
+# KEYS: guard, positions hash, expiry zset, tenants with expiries, events mark, the worker
+# streams.
+# ARGV: guard ttl, n, quota (0: none), tenant, the events mark's ttl (0: no event), then n
+# quadruples (object id, its packed position as read or '' for none, the packed position to
+# store or '' to keep it, its expiry time), then one stream entry per stream.
 # Returns 1 when applied (now or before), 0 when a position changed meanwhile, 2 when over
 # the quota.
 PUBLISH_SCRIPT = """
@@ -51,21 +55,21 @@ local new_ids, pos, exp = 0, {}, {}
 for s = 0, n - 1, CHUNK do
   local last = math.min(n, s + CHUNK) - 1
   local ids = {}
-  for i = s, last do ids[#ids + 1] = ARGV[5 + 4 * i] end
+  for i = s, last do ids[#ids + 1] = ARGV[6 + 4 * i] end
   local held = redis.call('HMGET', KEYS[2], unpack(ids))
   for i = s, last do
-    local read = ARGV[6 + 4 * i]
+    local read = ARGV[7 + 4 * i]
     if (held[i - s + 1] or '') ~= read then
       redis.call('DEL', KEYS[1])
       return 0
     end
-    local new = ARGV[7 + 4 * i]
+    local new = ARGV[8 + 4 * i]
     if new ~= '' then
       if read == '' then new_ids = new_ids + 1 end
-      pos[#pos + 1] = ARGV[5 + 4 * i]
+      pos[#pos + 1] = ARGV[6 + 4 * i]
       pos[#pos + 1] = new
-      exp[#exp + 1] = ARGV[8 + 4 * i]
-      exp[#exp + 1] = ARGV[5 + 4 * i]
+      exp[#exp + 1] = ARGV[9 + 4 * i]
+      exp[#exp + 1] = ARGV[6 + 4 * i]
     end
   end
 end
@@ -79,9 +83,10 @@ for s = 1, #pos, 2 * CHUNK do
   redis.call('ZADD', KEYS[3], unpack(exp, s, last))
 end
 if #pos > 0 then redis.call('SADD', KEYS[4], ARGV[4]) end
-local base = 5 + 4 * n
-for s = 5, #KEYS do
-  redis.call('XADD', KEYS[s], '*', 'm', ARGV[base + s - 5])
+if ARGV[5] ~= '0' then redis.call('SET', KEYS[5], '1', 'EX', ARGV[5]) end
+local base = 6 + 4 * n
+for s = 6, #KEYS do
+  redis.call('XADD', KEYS[s], '*', 'm', ARGV[base + s - 6])
 end
 return 1
 """
@@ -239,6 +244,9 @@ class Router:
         self.replicated = settings.partitioning == "replicated"
         self._rr = 0  # replicated mode: round-robin position of the next event
         self.history = knnreg.PlanHistory()
+        # the events mark outlives the last event stored by a window (and a bucket, and a
+        # minute for the clocks)
+        self.events_ttl_s = int(settings.window_s + settings.bucket_s) + 60
         # tenant -> (when read, cell -> records in the window): the first radius of kNN
         # registrations (one read serves the subscriptions created in the same second)
         self._cell_totals: dict[str, tuple[float, knnreg.CountGrid]] = {}
@@ -305,13 +313,15 @@ class Router:
                                            summaries)
             await self._check_backlog(streams)
             args: list[Any] = [PUBLISH_GUARD_TTL_S, len(checks),
-                               self.settings.tenant_max_objects, batch.tenant]
+                               self.settings.tenant_max_objects, batch.tenant,
+                               self.events_ttl_s if len(moving_rows) < n else 0]
             for oid, read, new, row in checks:
                 args += [oid, read, new, self._expiry(batch, row) if row >= 0 else 0]
             try:
                 done = await self._publish(
                     keys=[guard, pos_key, names.object_expiry_key(batch.tenant),
-                          names.OBJECT_EXPIRY_TENANTS, *streams],
+                          names.OBJECT_EXPIRY_TENANTS, names.events_key(batch.tenant),
+                          *streams],
                     args=[*args, *entries])
             except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
                 # The call may have been applied before Redis went away: its guard key tells,
@@ -525,14 +535,25 @@ class Router:
         now = time.time()
         plans = await self.plans_since(now - self.settings.window_s - self.settings.bucket_s,
                                        index)
+        tenants = sorted({r.tenant for r in rows})
+        pipe = self.redis.pipeline(transaction=False)
+        for t in tenants:
+            pipe.exists(names.events_key(t))
+        events = dict(zip(tenants, map(bool, await pipe.execute()), strict=True))
         out: dict[str, tuple[float, set[str]]] = {}
         for row in rows:
             totals = await self._tenant_cell_totals(row.tenant, index, now)
             spec: dict[str, Any] = row.spec
             lon, lat = float(spec["point"][0]), float(spec["point"][1])
             radius = totals.radius(lon, lat, int(spec["k"]))
-            workers = (set(index.workers) if not math.isfinite(radius) or plans is None
-                       else knnreg.circle_workers([index, *plans], lon, lat, radius))
+            if not math.isfinite(radius):
+                workers = set(index.workers)
+            elif not events[row.tenant]:  # moving objects alone: the current owners
+                workers = knnreg.circle_workers([index], lon, lat, radius)
+            elif plans is None:
+                workers = set(index.workers)
+            else:
+                workers = knnreg.circle_workers([index, *plans], lon, lat, radius)
             out[row.id] = (radius, workers)
         return out
 

@@ -49,10 +49,11 @@ def rdb(embedded_redis: EmbeddedRedis) -> Iterator[redis.Redis]:
 
 
 def run(rdb: redis.Redis, guard: str, checks: list[tuple[str, bytes, bytes, float]],
-        quota: int = 0) -> int:
+        quota: int = 0, events_ttl: int = 0) -> int:
     keys = [names.publish_guard_key(guard), names.positions_key("t"),
-            names.object_expiry_key("t"), names.OBJECT_EXPIRY_TENANTS, "gs:w:x"]
-    args: list[object] = [60, len(checks), quota, "t"]
+            names.object_expiry_key("t"), names.OBJECT_EXPIRY_TENANTS, names.events_key("t"),
+            "gs:w:x"]
+    args: list[object] = [60, len(checks), quota, "t", events_ttl]
     for c in checks:
         args += list(c)
     return int(rdb.eval(PUBLISH_SCRIPT, len(keys), *keys, *args, b"entry"))  # type: ignore[arg-type]
@@ -102,3 +103,12 @@ def test_publish_script_over_many_chunks(rdb: redis.Redis) -> None:
     assert rdb.hlen(names.positions_key("t")) == n
     assert run(rdb, "c5", new, quota=n + 1_500) == 1
     assert rdb.hlen(names.positions_key("t")) == n + 1_500
+
+
+def test_a_publish_with_events_renews_the_tenants_events_mark(rdb: redis.Redis) -> None:
+    assert run(rdb, "e1", [("a", b"", b"p", 1.0)]) == 1  # moving objects only: no mark
+    assert not rdb.exists(names.events_key("t"))
+    assert run(rdb, "e2", [], events_ttl=100) == 1
+    assert 90 < rdb.ttl(names.events_key("t")) <= 100
+    assert run(rdb, "e3", [("a", b"wrong", b"q", 1.0)], events_ttl=500) == 0  # not applied
+    assert rdb.ttl(names.events_key("t")) <= 100

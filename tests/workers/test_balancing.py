@@ -366,7 +366,8 @@ async def _sole_holder_refresh(server: LiveServer) -> None:
     def east(m: float) -> float:
         return px + m * deg
 
-    key = server.new_key()
+    tenant = "sole-" + secrets.token_hex(4)
+    key = server.new_key(tenant)
     headers = {"Authorization": f"Bearer {key}"}
     async with httpx.AsyncClient(base_url=server.base_url, timeout=30) as http:
         async def put(oid: str, lon: float) -> None:
@@ -425,6 +426,35 @@ async def _sole_holder_refresh(server: LiveServer) -> None:
         # the sole holder was asked to report again, whole, and holds alone no longer
         assert other in holders() and not client.hget(hkey, "_l:" + a_worker)
         assert round(holders()[a_worker][1][0]) == 400
+
+        # The half holding the point moves to the other worker too: the circle reaches
+        # nothing of the first one's any more, and the tenant has moving objects only, so
+        # its registration leaves it (a new epoch on the current owner alone).
+        plan = plan_of(server)
+        high, _ = owner(plan, px, py)
+        reply = command(server, a_worker, {"t": "move", "partitions": [high], "to": other})
+        assert reply is not None and reply["ok"], reply
+        await wait_drained(client, workers)
+        assert await wait_for(lambda: list(holders()) == [other], 10), client.hgetall(hkey)
+        await put("a", east(350))  # a passes c: [c, a]
+        assert await wait_for(lambda: lists()[-1:] == [["c", "a"]], 20), lists()
+        assert client.hget(hkey, "_l:" + other)  # alone again
+        # An event of the tenant (kept where it is stored for the window): moving the whole
+        # circle back leaves the registration on the worker that may hold such events.
+        r = await http.post("/v1/objects", headers=headers, json={"objects": [
+            {"lon": -100.0, "lat": -30.0, "ts": time.time()}]})
+        assert r.status_code == 202, r.text
+        assert client.exists(names.events_key(tenant))
+        plan = plan_of(server)
+        back = sorted({owner(plan, px, py)[0], owner(plan, px - 300 * deg, py)[0]})
+        assert len(back) == 2, back  # both halves, all the circle
+        reply = command(server, other, {"t": "move", "partitions": back, "to": a_worker})
+        assert reply is not None and reply["ok"], reply
+        await wait_drained(client, workers)
+        await put("c", px - 500 * deg)  # c falls behind b: [a, b]
+        assert await wait_for(lambda: lists()[-1:] == [["a", "b"]], 20), lists()
+        assert sorted(holders()) == sorted(workers), client.hgetall(hkey)
+        assert lists() == [["a"], ["a", "b"], ["a", "c"], ["c", "a"], ["a", "b"]]
         await listener.close()
 
 
