@@ -289,8 +289,9 @@ class KnnState:
             self.ghosts.pop(oid, None)
             self._place((MOVING, oid), lon, lat, kws)
 
-    def remove_moving(self, oid: str, ts: float) -> None:
-        if self.objects.remove_moving(oid, ts):
+    def remove_moving(self, oid: str, ts: float, at: tuple[float, float] | None = None
+                      ) -> None:
+        if self.objects.remove_moving(oid, ts, at):
             self._drop((MOVING, oid))
 
     def drop_moving(self, ids: list[str]) -> None:
@@ -301,22 +302,30 @@ class KnnState:
 
     def exit_moving(self, oid: str, lon: float, lat: float, ts: float) -> None:
         """The object's record `ts` put it at (lon, lat) in another worker's partition: it
-        leaves at once unless a local list holds it; then it stays a ghost until `arrived`."""
+        leaves at once unless a local list holds it; then it stays a ghost until `arrived`.
+        The position of that same record, held here (this worker owns it too, after a plan
+        change), stays."""
+        held = self.objects.moving.get(oid)
+        if (held is not None and held[:2] == (lon, lat)
+                and self.objects.moving_ts.get(oid) == ts):
+            return
         if ((MOVING, oid) in self.members and self.objects.moving_ts.get(oid, math.inf) <= ts
-                and oid in self.objects.moving):
+                and held is not None):
             self.ghosts[oid] = ts
             # it stays where it was, but a record older than the exit (one forwarded after a
             # plan change) must not bring it back here
             self.objects.moving_ts[oid] = ts
             self.asks.append((oid, ts, lon, lat))
             return
-        self.remove_moving(oid, ts)
+        self.remove_moving(oid, ts, (lon, lat))
 
     def arrived(self, oid: str, ts: float) -> None:
-        """The new owner holds the object's record `ts`: its ghost (if still that) leaves."""
+        """The new owner holds the object's record `ts`: its ghost (if still that) leaves (a
+        newer record, or that one, taken here since would have ended the ghost)."""
         if self.ghosts.get(oid) == ts:
             del self.ghosts[oid]
-            self.remove_moving(oid, ts)
+            if self.objects.moving.pop(oid, None) is not None:
+                self._drop((MOVING, oid))
 
     def take_asks(self) -> list[tuple[str, float, float, float]]:
         asks, self.asks = self.asks, []

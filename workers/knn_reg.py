@@ -83,7 +83,11 @@ class KnnRegistry:
             self._answer(tenant, sub, epoch, results[at])
 
     def forget(self, pipe: Any) -> None:
-        """`pipe` was discarded: its reports were never made."""
+        """`pipe` was discarded: its reports were never made (their lists are reported
+        whole at their next change)."""
+        for q in self.queued:
+            if q[0] is pipe:
+                q[3].sole, q[3].reported = False, None
         self.queued = [q for q in self.queued if q[0] is not pipe]
 
     def _answer(self, tenant: str, sub: KnnSub, epoch: int, out: Any) -> None:

@@ -206,3 +206,40 @@ def test_lists_reaching_far_are_registered_in_coarser_cells() -> None:
         state.refresh()
         for sub in state.subs.values():
             assert [n[:4] for n in sub.local] == top_k(state.objects, sub), (step, sub.id)
+
+
+def test_the_exit_of_a_record_held_here_removes_nothing() -> None:
+    """After a plan change a worker can own both an object's previous position and its new
+    one: the exit-only copy of a record (sent to the previous position's owner) then reaches
+    the worker that holds that very record. The object stays, listed where the record puts
+    it; only an older position leaves (the bug this guards lost such objects from every list
+    under rebalancing)."""
+    state = KnnState(window_s=60.0, bucket_s=1.0)
+    state.upsert_moving("a", 0.0, 0.0, frozenset(), 1.0)
+    state.upsert_moving("b", 0.5, 0.0, frozenset(), 1.0)
+    sub = state.add(KnnSub("s", 0.0, 0.0, 1, frozenset(), False))
+    state.upsert_moving("a", 0.1, 0.0, frozenset(), 2.0)  # the record
+    state.refresh()
+    state.exit_moving("a", 0.1, 0.0, 2.0)  # its exit copy, after it
+    assert state.take_asks() == [] and "a" not in state.ghosts
+    state.refresh()
+    assert [(n[1], n[2]) for n in sub.local] == [("a", 0.1)]
+    # the exit copy first, its record forwarded later: the older position leaves (a ghost
+    # while listed, here until answered), then the record comes
+    state.exit_moving("a", 0.2, 0.0, 3.0)
+    assert state.take_asks() == [("a", 3.0, 0.2, 0.0)]
+    state.arrived("a", 3.0)
+    state.refresh()
+    assert [n[1] for n in sub.local] == ["b"]
+    state.upsert_moving("a", 0.2, 0.0, frozenset(), 3.0)
+    state.refresh()
+    assert [(n[1], n[2]) for n in sub.local] == [("a", 0.2)]
+    # the same ts with another position (two records of one time): the held one leaves
+    state.exit_moving("b", 0.9, 0.0, 1.0)
+    assert "b" not in state.objects.moving
+    # an unlisted object: the window alone
+    state.upsert_moving("c", 40.0, 0.0, frozenset(), 5.0)
+    state.exit_moving("c", 40.0, 0.0, 5.0)
+    assert state.objects.moving["c"][:2] == (40.0, 0.0)
+    state.exit_moving("c", 41.0, 0.0, 6.0)
+    assert "c" not in state.objects.moving
