@@ -177,13 +177,19 @@ class KnnRegistry:
         for t in tenants:
             pipe.exists(names.events_key(t))
         events = dict(zip(tenants, map(bool, pipe.execute()), strict=True))
+        pipe = ex.redis.pipeline(transaction=False)  # one round trip for them all
         for tenant, sub in carried:
             copy = ex.sub_msgs.get(sub.id)
             if events[tenant] or copy is None or not math.isfinite(sub.radius):
                 continue
             workers = self._workers(sub, sub.radius, False)
             if ex.id not in workers:
-                self._register_again(sub, copy, sub.epoch, sub.radius, workers, "leave")
+                self._register_again(sub, copy, sub.epoch, sub.radius, workers, "leave", pipe)
+        left = sum(1 for done in pipe.execute() if done)
+        self.resizes["leave"] += left
+        if left:
+            log.info("worker %s: %d kNN registrations left it with the partitions handed off",
+                     ex.id, left)
 
     def _workers(self, sub: KnnSub, radius: float, events: bool) -> set[str]:
         ex = self.ex
@@ -195,9 +201,10 @@ class KnnRegistry:
                                            radius, events)
 
     def _register_again(self, sub: KnnSub, copy: wire.SubscriptionCopy, epoch: int,
-                        radius: float, workers: set[str], why: str) -> None:
+                        radius: float, workers: set[str], why: str, pipe: Any = None) -> None:
         """The next epoch of a registration, with `radius`, on `workers` (RESIZE_SCRIPT: only
-        if its epoch is still `epoch`; another worker may have done it)."""
+        if its epoch is still `epoch`; another worker may have done it). On `pipe` (not a
+        transaction: each script is atomic alone) it is only queued: the caller counts."""
         ex = self.ex
         assert ex.index is not None
         reg = wire.encode_entry(wire.SubsAdded(subs=[wire.SubscriptionCopy(
@@ -205,10 +212,11 @@ class KnnRegistry:
             radius_m=radius if math.isfinite(radius) else None, epoch=epoch + 1)],
             plan_version=ex.index.version))
         retract = wire.encode_entry(wire.KnnRetract(ids=[sub.id], epoch=epoch + 1))
-        done = self._resize(keys=[names.knn_key(sub.id)],
-                            args=[epoch, knnreg.stored_radius(radius), reg, retract,
-                                  STREAM_PREFIX, *sorted(workers)])
-        if done:
+        done = run_script(pipe if pipe is not None else ex.redis, self._resize,
+                          [names.knn_key(sub.id)],
+                          [epoch, knnreg.stored_radius(radius), reg, retract, STREAM_PREFIX,
+                           *sorted(workers)])
+        if pipe is None and done:
             self.resizes[why] += 1
             log.debug("worker %s: kNN %s (%s) radius %.0f -> %.0f m on %s", ex.id, sub.id,
                       why, sub.radius, radius, sorted(workers))

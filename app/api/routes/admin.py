@@ -96,7 +96,7 @@ async def cluster(state: StateDep, _admin: AdminDep) -> dict[str, Any]:
             "subscriptions": info.get("subscriptions", 0),
             "knn_registrations": info.get("knn_registrations", 0),
             "knn_resizes": {k: int((info.get("knn_resizes") or {}).get(k, 0))
-                            for k in ("grow", "shrink")},
+                            for k in ("grow", "shrink", "leave")},
         })
     return {"plan_version": index.plan.version if index else None,
             "partitioning": state.settings.partitioning, "workers": workers}
