@@ -18,7 +18,7 @@ from app.core.redis import run_script
 from app.geo.geometry import circle_bbox
 from app.pipeline import knnreg, names, wire
 from app.pipeline.histories import history_housekeeping_ms
-from workers.knn import KnnState, KnnSub, knn_sub
+from workers.knn import MOVING, KnnState, KnnSub, knn_sub
 
 if TYPE_CHECKING:
     from workers.executor import Executor
@@ -35,6 +35,7 @@ class KnnRegistry:
         self._merge = executor.redis.register_script(knnreg.MERGE_SCRIPT)
         self._resize = executor.redis.register_script(knnreg.RESIZE_SCRIPT)
         self._drop = executor.redis.register_script(knnreg.DROP_WORKER_SCRIPT)
+        self._leave = executor.redis.register_script(knnreg.LEAVE_SCRIPT)
         self.history = knnreg.PlanHistory()
         # reports queued on a pipeline: (pipeline, position of the call, tenant, sub, epoch)
         self.queued: list[tuple[Any, int, str, KnnSub, int]] = []
@@ -166,9 +167,9 @@ class KnnRegistry:
         """After a move or split handed partitions off with these registrations: those whose
         circle reaches none of this worker's partitions any more leave it, unless their
         tenant may have events here (`names.events_key`: they stay where they were stored
-        for the window). Registered again with the same radius on the current owners (a new
-        epoch: the receivers report whole, this worker is retracted), so that a list is not
-        merged with an empty one from a worker that cannot hold its neighbours."""
+        for the window) or their list holds an object on its way to another worker (a
+        ghost: it stays listed here until its new owner has it). The registration keeps its
+        epoch on the receivers; only this worker's part of it goes (LEAVE_SCRIPT)."""
         ex = self.ex
         if self.broadcast or not carried:
             return
@@ -178,14 +179,20 @@ class KnnRegistry:
             pipe.exists(names.events_key(t))
         events = dict(zip(tenants, map(bool, pipe.execute()), strict=True))
         pipe = ex.redis.pipeline(transaction=False)  # one round trip for them all
+        leaving: list[tuple[str, KnnSub]] = []
         for tenant, sub in carried:
-            copy = ex.sub_msgs.get(sub.id)
-            if events[tenant] or copy is None or not math.isfinite(sub.radius):
+            state = ex.knn.get(tenant)
+            if (events[tenant] or state is None or not math.isfinite(sub.radius)
+                    or any(_kind(n[4]) == MOVING and n[1] in state.ghosts for n in sub.local)
+                    or ex.id in self._workers(sub, sub.radius, False)):
                 continue
-            workers = self._workers(sub, sub.radius, False)
-            if ex.id not in workers:
-                self._register_again(sub, copy, sub.epoch, sub.radius, workers, "leave", pipe)
-        left = sum(1 for done in pipe.execute() if done)
+            run_script(pipe, self._leave, [names.knn_key(sub.id)], [ex.id, sub.epoch])
+            leaving.append((tenant, sub))
+        left = 0
+        for (tenant, sub), done in zip(leaving, pipe.execute(), strict=True):
+            if done:
+                self.retract(tenant, [sub.id], sub.epoch + 1)
+                left += 1
         self.resizes["leave"] += left
         if left:
             log.info("worker %s: %d kNN registrations left it with the partitions handed off",
@@ -201,10 +208,9 @@ class KnnRegistry:
                                            radius, events)
 
     def _register_again(self, sub: KnnSub, copy: wire.SubscriptionCopy, epoch: int,
-                        radius: float, workers: set[str], why: str, pipe: Any = None) -> None:
+                        radius: float, workers: set[str], why: str) -> None:
         """The next epoch of a registration, with `radius`, on `workers` (RESIZE_SCRIPT: only
-        if its epoch is still `epoch`; another worker may have done it). On `pipe` (not a
-        transaction: each script is atomic alone) it is only queued: the caller counts."""
+        if its epoch is still `epoch`; another worker may have done it)."""
         ex = self.ex
         assert ex.index is not None
         reg = wire.encode_entry(wire.SubsAdded(subs=[wire.SubscriptionCopy(
@@ -212,11 +218,10 @@ class KnnRegistry:
             radius_m=radius if math.isfinite(radius) else None, epoch=epoch + 1)],
             plan_version=ex.index.version))
         retract = wire.encode_entry(wire.KnnRetract(ids=[sub.id], epoch=epoch + 1))
-        done = run_script(pipe if pipe is not None else ex.redis, self._resize,
-                          [names.knn_key(sub.id)],
-                          [epoch, knnreg.stored_radius(radius), reg, retract, STREAM_PREFIX,
-                           *sorted(workers)])
-        if pipe is None and done:
+        done = self._resize(keys=[names.knn_key(sub.id)],
+                            args=[epoch, knnreg.stored_radius(radius), reg, retract,
+                                  STREAM_PREFIX, *sorted(workers)])
+        if done:
             self.resizes[why] += 1
             log.debug("worker %s: kNN %s (%s) radius %.0f -> %.0f m on %s", ex.id, sub.id,
                       why, sub.radius, radius, sorted(workers))

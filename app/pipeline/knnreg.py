@@ -183,6 +183,17 @@ end
 return 1
 """
 
+# A worker leaves a registration whose circle no longer reaches its partitions (it handed them
+# off with the registration; the tenant has no events): KEYS[1] = gs:knn:<sub>, ARGV[1] = the
+# worker, ARGV[2] = the epoch it holds. Its list, token and sole mark go, if the registration
+# is still of that epoch (the receivers of the handoff hold it, and the holds of the handoff
+# make the merged list wait for them). 1 when it left, 0 otherwise.
+LEAVE_SCRIPT = """
+if redis.call('HGET', KEYS[1], '_e') ~= ARGV[2] then return 0 end
+redis.call('HDEL', KEYS[1], ARGV[1], '_p:' .. ARGV[1], '_l:' .. ARGV[1])
+return 1
+"""
+
 # A worker is gone (failover): KEYS[1] = gs:knn:<sub>, ARGV[1] = the worker. Its list and the
 # tokens that wait for it (or say it holds alone) leave the hash.
 DROP_WORKER_SCRIPT = """

@@ -106,3 +106,16 @@ def test_a_dead_holder_leaves_with_its_sole_mark(redis_db: str) -> None:
     # the taker's report finds no one to ask again
     assert m.report("w1", 1, [(15.0, "a"), (20.0, "b")]) == (0, 1)
     assert m.refreshes("w0") == [] and m.field("_l:w1") == "1"
+
+
+def test_a_worker_leaves_a_registration_of_the_epoch_it_holds(redis_db: str) -> None:
+    m = Merge(redis_db)
+    m.store.hset(m.key, mapping=knnreg.register_fields(3, 50.0, ["w0"]))
+    assert m.report("w0", 3, [(10.0, "a"), (20.0, "b")]) == (1, 1)
+    leave = m.store.register_script(knnreg.LEAVE_SCRIPT)
+    assert leave(keys=[m.key], args=["w0", 2]) == 0  # an older registration: nothing
+    assert m.field("w0") is not None and m.field("_l:w0") == "3"
+    m.store.hset(m.key, knnreg.PENDING + "w0", "3")
+    assert leave(keys=[m.key], args=["w0", 3]) == 1
+    assert m.field("w0") is None and m.field("_l:w0") is None and m.field("_p:w0") is None
+    assert m.field("_e") == "3" and m.pushed() == [["a", "b"]]  # the list pushed stays
