@@ -289,9 +289,8 @@ class KnnState:
             self.ghosts.pop(oid, None)
             self._place((MOVING, oid), lon, lat, kws)
 
-    def remove_moving(self, oid: str, ts: float, at: tuple[float, float] | None = None
-                      ) -> None:
-        if self.objects.remove_moving(oid, ts, at):
+    def remove_moving(self, oid: str, ts: float) -> None:
+        if self.objects.remove_moving(oid, ts):
             self._drop((MOVING, oid))
 
     def drop_moving(self, ids: list[str]) -> None:
@@ -305,19 +304,17 @@ class KnnState:
         leaves at once unless a local list holds it; then it stays a ghost until `arrived`.
         The position of that same record, held here (this worker owns it too, after a plan
         change), stays."""
-        held = self.objects.moving.get(oid)
-        if (held is not None and held[:2] == (lon, lat)
-                and self.objects.moving_ts.get(oid) == ts):
+        if self.objects.holds_record(oid, ts, (lon, lat)):
             return
         if ((MOVING, oid) in self.members and self.objects.moving_ts.get(oid, math.inf) <= ts
-                and held is not None):
+                and oid in self.objects.moving):
             self.ghosts[oid] = ts
             # it stays where it was, but a record older than the exit (one forwarded after a
             # plan change) must not bring it back here
             self.objects.moving_ts[oid] = ts
             self.asks.append((oid, ts, lon, lat))
             return
-        self.remove_moving(oid, ts, (lon, lat))
+        self.remove_moving(oid, ts)
 
     def arrived(self, oid: str, ts: float) -> None:
         """The new owner holds the object's record `ts`: its ghost (if still that) leaves (a

@@ -144,7 +144,8 @@ class KnnRegistry:
                     ex.ledger.remove_query(sid)
 
     def resize(self, tenant: str, sub: KnnSub, epoch: int, grow: bool, kth: float) -> None:
-        """Register `sub` again with a grown or shrunk radius."""
+        """Register `sub` again with a grown or shrunk radius (if its epoch is still
+        `epoch`: another worker may have done it)."""
         ex = self.ex
         copy = ex.sub_msgs.get(sub.id)
         if copy is None or ex.index is None:
@@ -160,8 +161,19 @@ class KnnRegistry:
             if radius >= sub.radius:
                 return
         events = bool(ex.redis.exists(names.events_key(tenant)))
-        self._register_again(sub, copy, epoch, radius, self._workers(sub, radius, events),
-                             "grow" if grow else "shrink")
+        workers = self._workers(sub, radius, events)
+        reg = wire.encode_entry(wire.SubsAdded(subs=[wire.SubscriptionCopy(
+            id=copy.id, tenant=copy.tenant, spec=copy.spec, expires_at=copy.expires_at,
+            radius_m=radius if math.isfinite(radius) else None, epoch=epoch + 1)],
+            plan_version=ex.index.version))
+        retract = wire.encode_entry(wire.KnnRetract(ids=[sub.id], epoch=epoch + 1))
+        done = self._resize(keys=[names.knn_key(sub.id)],
+                            args=[epoch, knnreg.stored_radius(radius), reg, retract,
+                                  STREAM_PREFIX, *sorted(workers)])
+        if done:
+            self.resizes["grow" if grow else "shrink"] += 1
+            log.debug("worker %s: kNN %s radius %.0f -> %.0f m on %s", ex.id, sub.id,
+                      sub.radius, radius, sorted(workers))
 
     def leave_unreached(self, carried: list[tuple[str, KnnSub]]) -> None:
         """After a move or split handed partitions off with these registrations: those whose
@@ -206,25 +218,6 @@ class KnnRegistry:
         horizon = time.time() - ex.settings.window_s - ex.settings.bucket_s
         return knnreg.registration_workers(self.history, ex.index, horizon, sub.lon, sub.lat,
                                            radius, events)
-
-    def _register_again(self, sub: KnnSub, copy: wire.SubscriptionCopy, epoch: int,
-                        radius: float, workers: set[str], why: str) -> None:
-        """The next epoch of a registration, with `radius`, on `workers` (RESIZE_SCRIPT: only
-        if its epoch is still `epoch`; another worker may have done it)."""
-        ex = self.ex
-        assert ex.index is not None
-        reg = wire.encode_entry(wire.SubsAdded(subs=[wire.SubscriptionCopy(
-            id=copy.id, tenant=copy.tenant, spec=copy.spec, expires_at=copy.expires_at,
-            radius_m=radius if math.isfinite(radius) else None, epoch=epoch + 1)],
-            plan_version=ex.index.version))
-        retract = wire.encode_entry(wire.KnnRetract(ids=[sub.id], epoch=epoch + 1))
-        done = self._resize(keys=[names.knn_key(sub.id)],
-                            args=[epoch, knnreg.stored_radius(radius), reg, retract,
-                                  STREAM_PREFIX, *sorted(workers)])
-        if done:
-            self.resizes[why] += 1
-            log.debug("worker %s: kNN %s (%s) radius %.0f -> %.0f m on %s", ex.id, sub.id,
-                      why, sub.radius, radius, sorted(workers))
 
     def forward(self, m: wire.SubscriptionCopy, since_version: int, owner: str,
                 pipe: Any) -> None:

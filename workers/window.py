@@ -32,22 +32,22 @@ class LiveWindow:
             return True
         return False
 
-    def remove_moving(self, oid: str, ts: float, at: tuple[float, float] | None = None
-                      ) -> bool:
-        """The object moved to another worker's partition with record `ts`, which put it at
-        `at`; a newer record that already came back here (streams of two workers are not
-        ordered) wins, and so does that very record when it is held here (after a plan
-        change a worker can own both the previous position and the new one)."""
-        held = self.moving_ts.get(oid, -1.0)
-        if held > ts:
-            return False
-        if held == ts and at is not None and (pos := self.moving.get(oid)) is not None \
-                and pos[:2] == at:
-            return False
-        # kept even when the object is not here (yet): a handoff still in our stream may
-        # bring an older record of it, which must not come back
-        self.moving_ts[oid] = ts
-        return self.moving.pop(oid, None) is not None
+    def remove_moving(self, oid: str, ts: float) -> bool:
+        """The object moved to another worker's partition with record `ts`; a newer record
+        that already came back here (streams of two workers are not ordered) wins."""
+        if self.moving_ts.get(oid, -1.0) <= ts:
+            # kept even when the object is not here (yet): a handoff still in our stream may
+            # bring an older record of it, which must not come back
+            self.moving_ts[oid] = ts
+            return self.moving.pop(oid, None) is not None
+        return False
+
+    def holds_record(self, oid: str, ts: float, at: tuple[float, float]) -> bool:
+        """Whether the position held is that of record `ts`, which put the object at `at`
+        (after a plan change a worker can own both an object's previous position and the
+        new one: the exit of a record then reaches the worker that holds that record)."""
+        pos = self.moving.get(oid)
+        return pos is not None and self.moving_ts.get(oid) == ts and pos[:2] == at
 
     def moving_in(self, inside: Any) -> list[tuple[str, float, float, list[str], float]]:
         """Moving objects whose latest position satisfies `inside(lon, lat)` (vectorised), as

@@ -50,7 +50,7 @@ UNBOUNDED = -1.0  # `_r` of a registration on every worker
 MIN_RADIUS_M = 50.0  # a shrink never goes below this (k objects at one spot)
 GROW = 4.0  # a registration with fewer than k grows its radius this many times
 SHRINK_AT = 4.0  # ...and shrinks to 2 x the k-th once the k-th is this far inside it
-PENDING, HOLD, SOLE = "_p:", "_h:", "_l:"
+PENDING, HOLD = "_p:", "_h:"
 
 # KEYS[1] = gs:knn:<sub>, KEYS[2] = history stream, KEYS[3] = the tenant's hash of last ids
 # (field: the stream; see HISTORY_SCRIPT). ARGV[1] = worker, ARGV[2] = its epoch, ARGV[3] =
@@ -346,21 +346,28 @@ class PlanHistory:
         return out if self.plans and min(self.plans) == 1 else None
 
 
-def registration_workers(history: PlanHistory, current: GlobalIndex, horizon: float,
-                         lon: float, lat: float, radius: float, events: bool = True
-                         ) -> set[str]:
+def workers_within(current: GlobalIndex, plans: list[GlobalIndex] | None, lon: float,
+                   lat: float, radius: float, events: bool) -> set[str]:
     """The workers a registration of `radius` goes to: owners within it under the current
-    plan and, while the tenant may have events in the window (`names.events_key`), every
-    plan of the window (every worker when the history falls short). Moving objects travel
-    with their partitions: without events the current owners hold everything."""
+    plan and, while the tenant may have events in the window (`names.events_key`), under
+    the window's other `plans` (every worker when the history falls short: None). Moving
+    objects travel with their partitions: without events the current owners hold
+    everything."""
     if not math.isfinite(radius):
         return set(current.workers)
     if not events:
         return circle_workers([current], lon, lat, radius)
-    plans = history.since(horizon, current)
     if plans is None:
         return set(current.workers)
     return circle_workers([current, *plans], lon, lat, radius)
+
+
+def registration_workers(history: PlanHistory, current: GlobalIndex, horizon: float,
+                         lon: float, lat: float, radius: float, events: bool = True
+                         ) -> set[str]:
+    """`workers_within` with the plans of `history` valid since `horizon`."""
+    plans = history.since(horizon, current) if events and math.isfinite(radius) else []
+    return workers_within(current, plans, lon, lat, radius, events)
 
 
 def register_fields(epoch: int, radius: float, workers: Iterable[str]) -> dict[str, str]:

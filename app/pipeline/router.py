@@ -546,15 +546,8 @@ class Router:
             spec: dict[str, Any] = row.spec
             lon, lat = float(spec["point"][0]), float(spec["point"][1])
             radius = totals.radius(lon, lat, int(spec["k"]))
-            if not math.isfinite(radius):
-                workers = set(index.workers)
-            elif not events[row.tenant]:  # moving objects alone: the current owners
-                workers = knnreg.circle_workers([index], lon, lat, radius)
-            elif plans is None:
-                workers = set(index.workers)
-            else:
-                workers = knnreg.circle_workers([index, *plans], lon, lat, radius)
-            out[row.id] = (radius, workers)
+            out[row.id] = (radius, knnreg.workers_within(index, plans, lon, lat, radius,
+                                                         events[row.tenant]))
         return out
 
     async def _tenant_cell_totals(self, tenant: str, index: GlobalIndex, now: float
