@@ -924,6 +924,7 @@ class Executor:
         already; this worker may have written to them since, from entries before this one)."""
         now = time.time()
         held = [(sid, self.sub_msgs[sid].tenant) for sid in ids if sid in self.sub_msgs]
+        self._drop_pending_history(set(ids))
         for sid in ids:
             self.tombstones[sid] = now
             self.sub_msgs.pop(sid, None)
@@ -940,6 +941,20 @@ class Executor:
                     self.redis.delete(names.knn_key(sid))
         for sid in ids:
             self.subs.remove(sid)
+
+    def _drop_pending_history(self, gone: set[str]) -> None:
+        """Entries of this step matched before the removal are not written: they would be
+        written after the deletes above, in the step's transaction, and make the history of a
+        deleted subscription again."""
+        kept = []
+        for tenant, bucket, sub_ids, refs, stored in self.pending_history:
+            keep = [i for i, sid in enumerate(sub_ids) if sid not in gone]
+            if len(keep) == len(sub_ids):
+                kept.append((tenant, bucket, sub_ids, refs, stored))
+            elif keep:
+                kept.append((tenant, bucket, [sub_ids[i] for i in keep],
+                             [refs[i] for i in keep], stored))
+        self.pending_history = kept
 
     # --- objects -------------------------------------------------------------------------
     def handle_objects_gone(self, msg: wire.ObjectsGone, pipe: Any,

@@ -262,8 +262,9 @@ def test_worker_sigkill_and_client_resume(pipeline: LiveServer) -> None:
     asyncio.run(_kill_and_resume(pipeline))
 
 
-async def _delete_midstream(server: LiveServer) -> None:
+async def _delete_midstream(server: LiveServer, paused: bool) -> None:
     key = server.new_key()
+    workers = [name for name in server.procs if name.startswith("w")]
     async with httpx.AsyncClient(base_url=server.base_url, timeout=30) as client:
         r = await client.post("/v1/subscriptions", headers=auth(key),
                               json={"type": "range", "bbox": [-1, -1, 1, 1]})
@@ -274,17 +275,29 @@ async def _delete_midstream(server: LiveServer) -> None:
         await listener.connect()
         await listener.listen([sid, keep])
         before = [{"lon": 0.5, "lat": 0.5, "keywords": [f"b{i}"]} for i in range(20)]
-        await client.post("/v1/objects", json={"objects": before}, headers=auth(key))
-        assert (await client.delete(f"/v1/subscriptions/{sid}", headers=auth(key))).status_code \
-            == 204
-        after = [{"lon": 0.5, "lat": 0.5, "keywords": [f"a{i}"]} for i in range(20)]
-        r = await client.post("/v1/objects", json={"objects": after}, headers=auth(key))
-        after_ids = set(r.json()["ids"])
-        await wait_for(lambda: sum(m["subscription"] == keep for m in listener.matches()) >= 40)
+        if paused:  # the workers then read the objects and the removal in one step
+            for w in workers:
+                server.kill(w, signal.SIGSTOP)
+        try:
+            if paused:  # served to the read the worker was blocked in when it stopped
+                await client.post("/v1/objects", headers=auth(key),
+                                  json={"objects": [{"lon": 0.5, "lat": 0.5}]})
+            await client.post("/v1/objects", json={"objects": before}, headers=auth(key))
+            assert (await client.delete(f"/v1/subscriptions/{sid}",
+                                        headers=auth(key))).status_code == 204
+            after = [{"lon": 0.5, "lat": 0.5, "keywords": [f"a{i}"]} for i in range(20)]
+            r = await client.post("/v1/objects", json={"objects": after}, headers=auth(key))
+            after_ids = set(r.json()["ids"])
+        finally:
+            if paused:
+                for w in workers:
+                    server.kill(w, signal.SIGCONT)
+        await wait_for(lambda: sum(m["subscription"] == keep for m in listener.matches())
+                       >= 40 + paused)
         await asyncio.sleep(0.5)
         deleted = [m for m in listener.matches() if m["subscription"] == sid]
         assert not [m for m in deleted if m["object"]["id"] in after_ids]
-        assert len({m["cursor"] for m in deleted}) == len(deleted) <= 20
+        assert len({m["cursor"] for m in deleted}) == len(deleted) <= 20 + paused
         assert (await client.get(f"/v1/subscriptions/{sid}/matches",
                                  headers=auth(key))).status_code == 404
         # its history and the id of its last entry (which outlives a history) are gone
@@ -297,8 +310,12 @@ async def _delete_midstream(server: LiveServer) -> None:
         await listener.close()
 
 
-def test_delete_midstream_stops_delivery(pipeline: LiveServer) -> None:
-    asyncio.run(_delete_midstream(pipeline))
+@pytest.mark.parametrize("paused", [False, True], ids=["streaming", "one-step"])
+def test_delete_midstream_stops_delivery(pipeline: LiveServer, paused: bool) -> None:
+    """Deleting a subscription between two batches: nothing after it is delivered, and its
+    history is gone, also when a worker reads the batch before, the removal and the batch
+    after in one step (it matched the first batch before it knew of the removal)."""
+    asyncio.run(_delete_midstream(pipeline, paused))
 
 
 async def _ttl_expiry(server: LiveServer, db_path: Path) -> None:
