@@ -132,6 +132,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--balance", type=float, default=0.0, metavar="SECONDS",
                     help="--live: run a coordinator (SWARM balancing) and pace the load this "
                     "long, untimed, before the timed part")
+    ap.add_argument("--moves", type=float, default=0.0, metavar="SECONDS",
+                    help="--live: move a whole partition between two workers (and back) this "
+                    "often during the timed part, through the admin API")
     args = ap.parse_args(argv)
     if args.live:
         from bench.knn_live import run as run_live
@@ -140,7 +143,7 @@ def main(argv: list[str] | None = None) -> None:
                  else [args.registration])
         outs = [run_live(args.objects, args.subs, args.k, args.rate, args.seconds,
                          args.request, args.workers, args.seed, broadcast=m == "broadcast",
-                         balance_s=args.balance)
+                         balance_s=args.balance, move_every=args.moves)
                 for m in modes]
         width = max(len(key) for key in outs[0])
         print(f"{'':<{width}}  " + "".join(f"{m:>24}" for m in modes))

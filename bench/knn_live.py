@@ -108,8 +108,8 @@ def nearest_ids(qlon: Any, qlat: Any, lon: Any, lat: Any, ids: list[str], k: int
 
 
 async def drive(server: LiveServer, n_objects: int, n_subs: int, k: int, rate: float,
-                seconds: float, batch: int, seed: int, check: int, warmup_s: float = 0.0
-                ) -> dict[str, Any]:
+                seconds: float, batch: int, seed: int, check: int, warmup_s: float = 0.0,
+                move_every: float = 0.0) -> dict[str, Any]:
     rng = np.random.default_rng(seed)
     lon, lat = city_points(n_objects, rng)
     slon, slat = city_points(n_subs, rng, jitter_km=10.0)
@@ -188,9 +188,16 @@ async def drive(server: LiveServer, n_objects: int, n_subs: int, k: int, rate: f
         reports0 = knn_reports(server)
         reset_redis_stats(server.redis_url)
         start = time.perf_counter()
+        moves: list[float] = []
+        mover = (asyncio.create_task(move_back_and_forth(server, move_every, moves))
+                 if move_every > 0 else None)
         sent = await pace(seconds, timed=True)
         await asyncio.gather(*sends)
         paced_s = time.perf_counter() - start
+        if mover is not None:
+            if mover.done():
+                mover.result()  # a move that failed stops the run
+            mover.cancel()
         # the workers catch up (a backlog if they could not keep the pace): every pending
         # probe's list arrives, then nothing more for a while
         give_up = time.monotonic() + 300
@@ -239,6 +246,8 @@ async def drive(server: LiveServer, n_objects: int, n_subs: int, k: int, rate: f
         "merge_reports_per_update": round(reports["sent"] / max(1, sent), 2),
         "held_alone_skipped_per_update": round(reports["skipped"] / max(1, sent), 2),
         "plan_changes_while_timed": plan_version(server) - plan0,
+        "moves_made": len(moves),
+        "move_ms_max": round(max(moves, default=0.0) * 1000),
         "cpu_seconds": {n: round(v, 1) for n, v in cpu.items()},
         **{f"redis_top_{i + 1}": f"{name} {usec / 1e6:.2f} s"
            for i, (name, _calls, usec) in enumerate(commands)},
@@ -248,16 +257,22 @@ async def drive(server: LiveServer, n_objects: int, n_subs: int, k: int, rate: f
 
 def run(n_objects: int = 100_000, n_subs: int = 10_000, k: int = 10, rate: float = 5_000,
         seconds: float = 20.0, batch: int = 250, workers: int = 2, seed: int = 1,
-        check: int = 0, broadcast: bool = False, balance_s: float = 0.0) -> dict[str, Any]:
+        check: int = 0, broadcast: bool = False, balance_s: float = 0.0,
+        move_every: float = 0.0) -> dict[str, Any]:
     """One run; `broadcast`: every subscription on every worker, unbounded (the baseline).
     `balance_s` > 0: a coordinator balances the load (SWARM) from the start, and the load is
-    paced that long, untimed, before the timed part."""
+    paced that long, untimed, before the timed part. `move_every` > 0: a partition moves
+    between two workers that often during the timed part (the balancer's own rounds off
+    unless `balance_s`)."""
     env = {"GEOSWARM_KNN_BROADCAST": "1"} if broadcast else {}
     with bench_cluster("geoswarm-bench-knn-", workers, **env) as server:
-        if balance_s > 0:
+        if balance_s > 0 or move_every > 0:
             server.start_coordinator()
+        if move_every > 0 and balance_s <= 0:
+            httpx.put(server.base_url + "/v1/admin/balancer", json={"enabled": False},
+                      headers=server.admin(), timeout=10).raise_for_status()
         return asyncio.run(drive(server, n_objects, n_subs, k, rate, seconds, batch, seed,
-                                 check, balance_s))
+                                 check, balance_s, move_every))
 
 
 def knn_reports(server: LiveServer) -> dict[str, int]:
@@ -270,6 +285,27 @@ def knn_reports(server: LiveServer) -> dict[str, int]:
         client.close()
     return {n: sum(int(b.get("knn_reports", {}).get(n, 0)) for b in beats)
             for n in ("sent", "skipped")}
+
+
+async def move_back_and_forth(server: LiveServer, every: float, took: list[float]) -> None:
+    """Every `every` seconds, move a partition of the first worker to the next one and back
+    again (the admin API's move, carried out by the coordinator), whole, with its moving
+    objects and kNN registrations; `took`: the time of each request."""
+    async with httpx.AsyncClient(base_url=server.base_url, headers=server.admin(),
+                                 timeout=60) as client:
+        workers = (await client.get("/v1/admin/cluster")).json()["workers"]
+        there, back = workers[0]["id"], workers[1]["id"]
+        while True:
+            await asyncio.sleep(every)
+            held = {w["id"]: w["partitions"]
+                    for w in (await client.get("/v1/admin/cluster")).json()["workers"]}
+            # a partition moved takes a new id: the newest of the worker is the one it got
+            part = max(held[there], key=lambda pid: int(pid.lstrip("p")))
+            t0 = time.perf_counter()
+            r = await client.post("/v1/admin/rebalance", json={"partition": part, "to": back})
+            r.raise_for_status()
+            took.append(time.perf_counter() - t0)
+            there, back = back, there
 
 
 def plan_version(server: LiveServer) -> int:

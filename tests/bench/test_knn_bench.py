@@ -42,3 +42,26 @@ def test_tiny_live_run_delivers_exact_last_lists() -> None:
     assert float(rows["workers_per_subscription"][1]) == 2.0, out.stdout
     assert float(rows["workers_per_subscription"][0]) < 2.0, out.stdout
     assert "broadcast / bounded" in lines[-1], out.stdout
+
+
+def test_the_live_runs_brute_force_is_exact_everywhere() -> None:
+    """The grid search that checks every last list equals a scan of every object, also at
+    the poles, across the antimeridian and where objects are sparse."""
+    import numpy as np
+
+    from app.geo.geometry import haversine_m
+    from bench.knn_live import nearest_ids
+
+    rng = np.random.default_rng(5)
+    lon = np.concatenate([rng.uniform(-180, 180, 3000), rng.normal(179.9, 0.05, 200) % 360
+                          - 180, rng.normal(2.35, 0.01, 500)])
+    lat = np.concatenate([rng.uniform(-89.9, 89.9, 3000), rng.normal(0, 0.05, 200),
+                          rng.normal(48.85, 0.01, 500)])
+    ids = [f"o{i}" for i in range(len(lon))]
+    qlon = np.concatenate([rng.uniform(-180, 180, 100), [179.99, -179.99, 0.0, 2.35, 10.0]])
+    qlat = np.concatenate([rng.uniform(-89.9, 89.9, 100), [0.0, 0.01, 89.95, 48.85, -89.95]])
+    got = nearest_ids(qlon, qlat, lon, lat, ids, 10)
+    for x, y, g in zip(qlon.tolist(), qlat.tolist(), got, strict=True):
+        d = haversine_m(x, y, lon, lat).tolist()
+        want = sorted((round(v, 3), ids[i]) for i, v in enumerate(d))[:10]
+        assert g == [oid for _, oid in want], (x, y)
