@@ -898,7 +898,11 @@ class Executor:
             if m.spec["type"] == "knn":
                 notify.setdefault(m.tenant, set()).add(m.id)
 
-    def add_subscriptions(self, subs: list[wire.SubscriptionCopy], pipe: Any = None) -> None:
+    def add_subscriptions(self, subs: list[wire.SubscriptionCopy], pipe: Any = None,
+                          clear: tuple[str, ...] = ()) -> set[str]:
+        """Take subscription copies; kNN registrations report their first lists (clearing
+        the tokens `clear`). Returns the ids of the kNN registrations that reported."""
+        reported: set[str] = set()
         for m in subs:
             if m.id in self.tombstones:
                 continue  # deleted already (a late copy)
@@ -910,7 +914,8 @@ class Executor:
                 if m.id not in self.sub_msgs:
                     self.round_received += 1
                     self.ledger.add_query(m.id, rect_of(self.index.grid, spec))
-                self.knnreg.register(m, pipe if pipe is not None else self.redis)
+                self.knnreg.register(m, pipe if pipe is not None else self.redis, clear)
+                reported.add(m.id)
                 continue
             if m.id in self.sub_msgs:
                 continue  # known
@@ -918,6 +923,7 @@ class Executor:
             self.round_received += 1
             self.ledger.add_query(m.id, rect_of(self.index.grid, spec))
             self.subs.add(m.tenant, m.id, spec, m.expires_at)
+        return reported
 
     def handle_subs_removed(self, ids: list[str]) -> None:
         """Deleted or expired subscriptions. Their history keys go too (the api deleted them

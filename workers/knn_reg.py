@@ -106,16 +106,17 @@ class KnnRegistry:
             self.resize(tenant, sub, epoch, grow=False, kth=float(raw))
 
     # --- registrations -------------------------------------------------------------------
-    def register(self, m: wire.SubscriptionCopy, pipe: Any) -> None:
+    def register(self, m: wire.SubscriptionCopy, pipe: Any, clear: tuple[str, ...] = ()
+                 ) -> None:
         """A registration (new, or of a newer epoch); an older one is only reported (its
-        token is cleared) while the newer stays."""
+        token is cleared) while the newer stays. `clear`: more tokens its report clears."""
         ex = self.ex
         state = ex.knn_state(m.tenant)
         held = state.subs.get(m.id)
         if held is None or held.epoch < m.epoch:
             held = state.add(knn_sub(m.id, m.spec, m.radius_m, m.epoch))
             ex.sub_msgs[m.id] = m
-        self.report(m.tenant, [held], pipe, force=True)  # clears its token
+        self.report(m.tenant, [held], pipe, clear, force=True)  # clears its token
 
     def on_refresh(self, msg: wire.KnnRefresh, pipe: Any,
                    notify: dict[str, set[str]]) -> None:

@@ -137,6 +137,7 @@ class Migration:
                          notify: dict[str, set[str]]) -> None:
         """mL's side of a move (§5.1): the partitions' subscriptions, window statistics and
         moving objects, read before anything routed to us under the new plan."""
+        started = time.perf_counter()
         ex = self.ex
         self._load_plan_of(msg.plan_version, "handoff")
         ex.awaiting.difference_update(msg.partitions)
@@ -145,12 +146,9 @@ class Migration:
             # seen early in a plan reload: seed it again, now with what the handoff brings
             ledger.stats.pop(pid, None)
         ledger.receive_window(msg.window)
-        ex.add_subscriptions(msg.subs, pipe)  # kNN registrations among them report at once
-        parts = {p.id: p for p in ex.owned()}
-        for pid, exported in msg.stats.items():
-            if pid in parts:  # else it moved on again meanwhile
-                ledger.restore(parts[pid], exported)
-        ex.sync_stats()
+        # The moving objects first: the registrations carried then search once, among them,
+        # and report at once (registered first, each would take them as arrivals and report
+        # twice).
         for tenant, objs in msg.moving.items():
             state = ex.knn_state(tenant)
             for oid, lon, lat, kws, ts in objs:
@@ -160,16 +158,33 @@ class Migration:
                 ex.merge_knn(tenant, changed, pipe)
                 notify.setdefault(tenant, set()).update(s.id for s in changed)
         # The merged lists that held the objects handed off waited for us: we hold them now.
+        # A registration carried reports with its first list; the others report again.
         token = knnreg.hold_field(msg.plan_version, ex.id)
+        holds = set(msg.holds)
+        reported = ex.add_subscriptions([m for m in msg.subs if m.id not in holds], pipe)
+        reported |= ex.add_subscriptions([m for m in msg.subs if m.id in holds], pipe,
+                                         (token,))
+        parts = {p.id: p for p in ex.owned()}
+        for pid, exported in msg.stats.items():
+            if pid in parts:  # else it moved on again meanwhile
+                ledger.restore(parts[pid], exported)
+        ex.sync_stats()
+        for m in msg.subs:
+            if m.id in reported:
+                notify.setdefault(m.tenant, set()).add(m.id)
         for sid in msg.holds:
+            if sid in reported:
+                continue
             held = next(((t, st.subs[sid]) for t, st in ex.knn.items() if sid in st.subs), None)
             if held is None:
                 pipe.hdel(names.knn_key(sid), token)
             else:
                 ex.merge_knn(held[0], [held[1]], pipe, clear=(token,))
                 notify.setdefault(held[0], set()).add(sid)
-        log.info("worker %s received %s from %s (plan %d): %d subscriptions",
-                 ex.id, msg.partitions, msg.sender, msg.plan_version, len(msg.subs))
+        log.info("worker %s received %s from %s (plan %d): %d subscriptions, %d moving "
+                 "objects, in %.0f ms", ex.id, msg.partitions, msg.sender, msg.plan_version,
+                 len(msg.subs), sum(map(len, msg.moving.values())),
+                 (time.perf_counter() - started) * 1000)
 
     def receive_takeover(self, msg: wire.Takeover, pipe: Any,
                          notify: dict[str, set[str]]) -> None:
@@ -201,6 +216,7 @@ class Migration:
         """Apply a plan that changes only this worker's partitions: hand the partitions given
         to other workers off through their streams and publish the plan, atomically and only
         if the stored plan is still the one this change was computed from (fencing)."""
+        started = time.perf_counter()
         ex = self.ex
         assert ex.index is not None
         old = ex.index.plan
@@ -272,6 +288,9 @@ class Migration:
         if given:
             ledger.drop_window(taken)
         ex.sync_stats()
+        # The registrations that leave go first: the lists that lost the objects handed off
+        # are then searched again only where they stay.
+        ex.knnreg.leave_unreached(list(carried.values()))
         if leaving:
             pipe = ex.redis.pipeline(transaction=True)
             notify: dict[str, set[str]] = {}
@@ -287,9 +306,9 @@ class Migration:
             finally:
                 ex.knnreg.forget(pipe)
             ex.notify([], [], notify)
-        ex.knnreg.leave_unreached(list(carried.values()))
-        log.info("worker %s published plan %d: gave %s", ex.id, new_plan.version,
-                 {w: [p.id for p in ps] for w, ps in by_worker.items()})
+        log.info("worker %s published plan %d: gave %s in %.0f ms", ex.id, new_plan.version,
+                 {w: [p.id for p in ps] for w, ps in by_worker.items()},
+                 (time.perf_counter() - started) * 1000)
         return {"version": new_plan.version,
                 "given": {w: [p.to_dict() for p in ps] for w, ps in by_worker.items()},
                 "partitions": [p.to_dict() for p in new_plan.partitions
