@@ -50,7 +50,7 @@ class KnnSub:
     # the changes `KnnRegistry` finds can change the merged list are reported), and the
     # members (kind, id) in order of the list last reported.
     sole: bool = False
-    reported: tuple[tuple[int, str], ...] | None = None
+    reported: tuple[Hashable, ...] | None = None
 
     def accepts(self, kws: frozenset[str]) -> bool:
         if not self.keywords:
@@ -434,10 +434,14 @@ class KnnState:
                 changed[sid] = sub
         cands = [(key, *held[1:]) for key in placed if (held := points.get(key))]
         if cands:
+            members = self.members
             for sub, entering in self._entering(again, cands):
-                mine = {n[4] for n in sub.local}  # placed before the subscription's search
-                merged = sorted(sub.local + [n for n in entering if n[4] not in mine
-                                             and n[0] <= sub.radius])[:sub.k]
+                # not those listed already (placed before the subscription's search)
+                fresh = [n for n in entering if n[0] <= sub.radius
+                         and sub.id not in members.get(n[4], ())]
+                if not fresh:
+                    continue
+                merged = sorted(sub.local + fresh)[:sub.k]
                 if merged != sub.local:
                     self._set_local(sub, merged)
                     changed[sub.id] = sub

@@ -9,7 +9,9 @@ the point, not the number of objects held.
 from __future__ import annotations
 
 import math
+from bisect import bisect_right
 from collections.abc import Callable, Hashable
+from itertools import accumulate
 
 import numpy as np
 import numpy.typing as npt
@@ -79,6 +81,13 @@ def _escape_m(g: Grid, lon: float, lat: float, xa: int, ya: int, xb: int, yb: in
     if not gaps:
         return math.inf
     return max(0.0, EARTH_RADIUS_M * min(gaps) * (1.0 - 1e-9) - _SLACK_M)
+
+
+def _slot_of(cells: list[_Cell], ends: list[int], j: int) -> tuple[_Cell, int]:
+    """The cell and slot of position `j` of the cells' slots laid end to end (`ends`: the
+    running totals of their sizes)."""
+    c = bisect_right(ends, j)
+    return cells[c], j - (ends[c - 1] if c else 0)
 
 
 class _Cell:
@@ -252,33 +261,38 @@ class PointIndex:
         inside = within + _SLACK_M < escape  # the circle within the block
         cells = [c for y in range(ya, yb + 1) for x in range(xa, xb + 1)
                  if (c := self.cells.get(y * g.nx + x)) is not None]
-        if not inside and sum(len(c) for c in cells) < k:
+        held = sum(len(c) for c in cells)
+        if not inside and held < k:
             return None
         if not cells:
             return []
-        # every slot of the block at once; free slots are NaN
+        # every slot of the block at once; free slots are NaN (no comparison takes them, and
+        # a partition puts them last)
         sizes = [len(c.ids) for c in cells]
-        lons = np.concatenate([c.lon[:n] for c, n in zip(cells, sizes, strict=True)])
-        lats = np.concatenate([c.lat[:n] for c, n in zip(cells, sizes, strict=True)])
-        which = np.repeat(np.arange(len(cells)), sizes)
-        slot = np.arange(len(lons)) - np.repeat(np.cumsum(sizes) - sizes, sizes)
+        ends = list(accumulate(sizes))
+        if len(cells) == 1:
+            lons, lats = cells[0].lon[:sizes[0]], cells[0].lat[:sizes[0]]
+        else:
+            lons = np.concatenate([c.lon[:n] for c, n in zip(cells, sizes, strict=True)])
+            lats = np.concatenate([c.lat[:n] for c, n in zip(cells, sizes, strict=True)])
         d = haversine_m(lon, lat, lons, lats)
-        held = np.flatnonzero(~np.isnan(d))
         # The candidates: the k nearest, and whatever is as near up to the rounding of
         # distances to the millimetre (ties are then broken by id).
         if accepts is None:
-            if held.size > k:
-                kth = float(d[held[np.argpartition(d[held], k - 1)[k - 1]]])
-                cand = held[d[held] <= kth + _SLACK_M].tolist()
+            if held > k:
+                kth = float(np.partition(d, k - 1)[k - 1])
+                cand = np.flatnonzero(d <= kth + _SLACK_M).tolist()
             else:
-                cand = held.tolist()
+                cand = np.flatnonzero(d == d).tolist()
         else:
             cand = []
             bound = math.inf
-            for j in held[np.argsort(d[held], kind="stable")].tolist():
+            valid = np.flatnonzero(d == d)
+            for j in valid[np.argsort(d[valid], kind="stable")].tolist():
                 if d[j] > bound:
                     break
-                if accepts(cells[which[j]].kws[slot[j]]):
+                cell, i = _slot_of(cells, ends, j)
+                if accepts(cell.kws[i]):
                     cand.append(j)
                     if len(cand) == k:
                         bound = float(d[j]) + _SLACK_M
@@ -286,7 +300,7 @@ class PointIndex:
                 return None
         best: list[Neighbor] = []
         for j in cand:
-            cell, i = cells[which[j]], int(slot[j])
+            cell, i = _slot_of(cells, ends, j)
             best.append((round(float(d[j]), 3), cell.ids[i], float(lons[j]), float(lats[j]),
                          cell.keys[i]))
         best.sort()

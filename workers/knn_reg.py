@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Hashable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -53,7 +54,7 @@ class KnnRegistry:
         ex = self.ex
         direct = not hasattr(pipe, "command_stack")
         for sub in subs:
-            members = tuple((_kind(n[4]), n[1]) for n in sub.local)
+            members = tuple(n[4] for n in sub.local)  # (kind, id) of each
             if not (force or clear) and sub.sole and not _merge_could_change(sub, members):
                 self.skipped += 1
                 continue
@@ -347,7 +348,7 @@ class KnnRegistry:
             notify.setdefault(msg.tenant, set()).update(s.id for s in changed)
 
 
-def _merge_could_change(sub: KnnSub, members: tuple[tuple[int, str], ...]) -> bool:
+def _merge_could_change(sub: KnnSub, members: tuple[Hashable, ...]) -> bool:
     """Whether a list held alone changed in a way the merge script would act on: its members
     or their order (the merged list is pushed), or a k-th far enough inside the radius that
     the registration shrinks. Distances alone change nothing pushed."""

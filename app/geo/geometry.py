@@ -48,7 +48,7 @@ def haversine_m(lon1: Any, lat1: Any, lon2: Any, lat2: Any) -> Any:
     Always evaluated with numpy ufuncs (also for scalars) so the vectorised matcher and the
     scalar test oracle agree to the last bit at the radius boundary.
     """
-    scalar = all(np.ndim(v) == 0 for v in (lon1, lat1, lon2, lat2))
+    scalar = all(type(v) is float or np.ndim(v) == 0 for v in (lon1, lat1, lon2, lat2))
     phi1 = np.radians(np.asarray(lat1, dtype=np.float64))
     phi2 = np.radians(np.asarray(lat2, dtype=np.float64))
     dphi = phi2 - phi1
