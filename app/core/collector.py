@@ -7,7 +7,10 @@ were the tail of the live pipeline's latency). `Collector.tick`, called often (i
 nothing until a second has passed), moves every object alive then to the permanent
 generation (`gc.freeze`), so collections walk only what was made since. Objects freed by
 reference counting are freed as before; only a reference cycle among frozen objects would
-wait: once an hour everything is thawed and collected in full (logged with its duration)."""
+wait: once an hour everything is thawed and collected in full (logged with its duration).
+The youngest generation is collected every 20 000 allocations, not 700: the objects a batch
+makes mostly live on (window entries, list members), and walking them 30 times as often cost
+a worker about 5 % of its time on kNN updates."""
 
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ log = logging.getLogger(__name__)
 
 FREEZE_S = 1.0
 FULL_S = 3600.0
+YOUNG_THRESHOLD = 20_000  # allocations between collections of the youngest generation
 
 
 class Collector:
@@ -29,6 +33,8 @@ class Collector:
         now = time.monotonic()
         self.frozen_at = now
         self.full_at = now
+        _, older, oldest = gc.get_threshold()
+        gc.set_threshold(YOUNG_THRESHOLD, older, oldest)
 
     def tick(self) -> None:
         now = time.monotonic()

@@ -12,13 +12,15 @@ from typing import Any
 
 import pytest
 
-from app.core.collector import Collector
+from app.core.collector import YOUNG_THRESHOLD, Collector
 
 
 @pytest.fixture
 def thawed() -> Iterator[None]:
     gc.unfreeze()
+    thresholds = gc.get_threshold()
     yield
+    gc.set_threshold(*thresholds)
     gc.unfreeze()
 
 
@@ -45,3 +47,9 @@ def test_a_tick_freezes_what_is_alive_and_a_full_pass_collects_frozen_cycles(
     collector.tick()
     assert gone() is None  # the full pass thaws and collects it
     assert gc.get_freeze_count() > 0  # and freezes again
+
+
+def test_the_youngest_generation_is_collected_less_often(thawed: None) -> None:
+    gc.set_threshold(700, 10, 10)
+    Collector()
+    assert gc.get_threshold() == (YOUNG_THRESHOLD, 10, 10)
