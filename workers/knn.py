@@ -271,9 +271,8 @@ class KnnState:
     def _place(self, key: tuple[int, str], lon: float, lat: float, kws: frozenset[str]) -> None:
         if self.points is None:
             return
-        if self.points.remove(key):
+        if self.points.add(key, key[1], lon, lat, kws):
             self._moved.add(key)
-        self.points.add(key, key[1], lon, lat, kws)
         self._placed.add(key)
 
     def _drop(self, key: tuple[int, str]) -> None:

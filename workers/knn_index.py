@@ -151,16 +151,27 @@ class PointIndex:
         cy = min(max(math.floor((lat - g.bounds[1]) / g.cell_height), 0), g.ny - 1)
         return int(cy * g.nx + cx)
 
-    def add(self, key: Hashable, oid: str, lon: float, lat: float, kws: frozenset[str]) -> None:
-        """Insert or move the point of `key`."""
-        self.remove(key)
+    def add(self, key: Hashable, oid: str, lon: float, lat: float, kws: frozenset[str]
+            ) -> bool:
+        """Insert or move the point of `key`; whether it was held before."""
         cid = self._cell_of(lon, lat)
+        held = self.where.get(key)
+        if held is not None:
+            if held[0] == cid:  # moved within its cell (the common case): in place
+                home = self.cells[cid]
+                i = home.slot[key]
+                home.lon[i], home.lat[i] = lon, lat
+                home.ids[i], home.kws[i] = oid, kws
+                self.where[key] = (cid, lon, lat, kws)
+                return True
+            self.remove(key)
         cell = self.cells.get(cid)
         if cell is None:
             cell = self.cells[cid] = _Cell()
             self._occupied = None
         cell.add(key, oid, lon, lat, kws)
         self.where[key] = (cid, lon, lat, kws)
+        return held is not None
 
     def remove(self, key: Hashable) -> bool:
         held = self.where.pop(key, None)
