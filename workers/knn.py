@@ -51,6 +51,7 @@ class KnnSub:
     # members (kind, id) in order of the list last reported.
     sole: bool = False
     reported: tuple[Hashable, ...] | None = None
+    keys: tuple[Hashable, ...] = ()  # of the members of `local`, in its order
 
     def accepts(self, kws: frozenset[str]) -> bool:
         if not self.keywords:
@@ -372,17 +373,19 @@ class KnnState:
 
     def _set_local(self, sub: KnnSub, new: list[Neighbor]) -> None:
         members, sid = self.members, sub.id
-        before = {n[4] for n in sub.local}
-        after = {n[4] for n in new}
-        for key in before - after:  # a change moves one or two members: only they are touched
-            held = members.get(key)
-            if held is not None:
-                held.discard(sid)
-                if not held:
-                    del members[key]
-        for key in after - before:
-            members.setdefault(key, set()).add(sid)
+        before = sub.keys
+        after = tuple(n[4] for n in new)
+        if after != before:  # a change moves one or two members: only they are touched
+            for key in set(before).difference(after):
+                held = members.get(key)
+                if held is not None:
+                    held.discard(sid)
+                    if not held:
+                        del members[key]
+            for key in set(after).difference(before):
+                members.setdefault(key, set()).add(sid)
         sub.local = new
+        sub.keys = after
         if sid in self.subs:
             self.reach.update(sub)
 

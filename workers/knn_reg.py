@@ -42,6 +42,10 @@ class KnnRegistry:
         self.queued: list[tuple[Any, int, str, KnnSub, int]] = []
         self.resizes = {"grow": 0, "shrink": 0, "leave": 0}
         self.reports = 0  # local lists sent to the merge script
+        s = executor.settings  # the history arguments of every report
+        self._history_args = (s.history_max_len, int(s.history_max_age_s) + 60,
+                              int(s.history_max_age_s * 1000),
+                              history_housekeeping_ms(s.history_max_age_s))
         self.skipped = 0  # changes of lists held alone that could not change the merged one
 
     # --- reports -------------------------------------------------------------------------
@@ -53,8 +57,10 @@ class KnnRegistry:
         only when the merged list could change (`_merge_could_change`)."""
         ex = self.ex
         direct = not hasattr(pipe, "command_stack")
+        max_len, ttl, max_age_ms, period_ms = self._history_args
+        last_key = names.history_last_key(tenant)
         for sub in subs:
-            members = tuple(n[4] for n in sub.local)  # (kind, id) of each
+            members = sub.keys  # (kind, id) of each, in order
             if not (force or clear) and sub.sole and not _merge_could_change(sub, members):
                 self.skipped += 1
                 continue
@@ -64,13 +70,9 @@ class KnnRegistry:
                                                         epoch=sub.epoch))
             at = -1 if direct else len(pipe.command_stack)
             out = run_script(pipe, self._merge,
-                             [names.knn_key(sub.id), names.history_key(sub.id),
-                              names.history_last_key(tenant)],
-                             [ex.id, sub.epoch, local, sub.k, ex.settings.history_max_len,
-                              int(ex.settings.history_max_age_s) + 60, tenant,
-                              int(ex.settings.history_max_age_s * 1000),
-                              history_housekeeping_ms(ex.settings.history_max_age_s),
-                              STREAM_PREFIX, refresh, *clear])
+                             [names.knn_key(sub.id), names.history_key(sub.id), last_key],
+                             [ex.id, sub.epoch, local, sub.k, max_len, ttl, tenant, max_age_ms,
+                              period_ms, STREAM_PREFIX, refresh, *clear])
             self.reports += 1
             if direct:
                 self._answer(tenant, sub, sub.epoch, out)

@@ -115,6 +115,7 @@ def test_local_lists_equal_brute_force(grid: Grid, across: bool,
     # the membership index holds exactly the lists' members
     held: dict[object, set[str]] = {}
     for sub in state.subs.values():
+        assert sub.keys == tuple(n[4] for n in sub.local)
         for n in sub.local:
             held.setdefault(n[4], set()).add(sub.id)
     assert held == state.members
