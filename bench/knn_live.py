@@ -245,6 +245,7 @@ async def drive(server: LiveServer, n_objects: int, n_subs: int, k: int, rate: f
         "workers_per_subscription": round(sum(held) / max(1, len(held)), 2),
         "merge_reports_per_update": round(reports["sent"] / max(1, sent), 2),
         "held_alone_skipped_per_update": round(reports["skipped"] / max(1, sent), 2),
+        "radius_grown_shrunk_left": f"{reports['grow']}/{reports['shrink']}/{reports['leave']}",
         "plan_changes_while_timed": plan_version(server) - plan0,
         "moves_made": len(moves),
         "move_ms_max": round(max(moves, default=0.0) * 1000),
@@ -277,14 +278,18 @@ def run(n_objects: int = 100_000, n_subs: int = 10_000, k: int = 10, rate: float
 
 def knn_reports(server: LiveServer) -> dict[str, int]:
     """The workers' local lists sent to the merge script and those held alone whose change
-    was not sent, so far (from their heartbeats)."""
+    was not sent, and the registrations grown, shrunk and left, so far (from their
+    heartbeats)."""
     client = redis.Redis.from_url(server.redis_url)
     try:
         beats = [orjson.loads(v) for v in client.hvals(names.WORKERS_KEY)]
     finally:
         client.close()
-    return {n: sum(int(b.get("knn_reports", {}).get(n, 0)) for b in beats)
-            for n in ("sent", "skipped")}
+    counts = {n: sum(int(b.get("knn_reports", {}).get(n, 0)) for b in beats)
+              for n in ("sent", "skipped")}
+    counts.update({n: sum(int(b.get("knn_resizes", {}).get(n, 0)) for b in beats)
+                   for n in ("grow", "shrink", "leave")})
+    return counts
 
 
 async def move_back_and_forth(server: LiveServer, every: float, took: list[float]) -> None:

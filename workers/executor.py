@@ -22,7 +22,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from app.core.collector import Collector
+from app.core.collector import WORKER_YOUNG, Collector
 from app.core.config import Settings
 from app.core.db import make_engine, make_sessionmaker
 from app.core.redis import run_script
@@ -170,7 +170,7 @@ class Executor:
         self.epoch = 0
         self.adoptions: dict[str, Adoption] = {}
         self.to_adopt: list[str] = []
-        self.collector = Collector()
+        self.collector = Collector(young=WORKER_YOUNG)
 
     # --- lifecycle -----------------------------------------------------------------------
     def run(self) -> None:

@@ -8,9 +8,10 @@ nothing until a second has passed), moves every object alive then to the permane
 generation (`gc.freeze`), so collections walk only what was made since. Objects freed by
 reference counting are freed as before; only a reference cycle among frozen objects would
 wait: once an hour everything is thawed and collected in full (logged with its duration).
-The youngest generation is collected every 20 000 allocations, not 700: the objects a batch
-makes mostly live on (window entries, list members), and walking them 30 times as often cost
-a worker about 5 % of its time on kNN updates."""
+A worker's youngest generation is collected every 20 000 allocations, not 700: the objects a
+batch makes mostly live on (window entries, list members), and walking them 30 times as often
+cost a worker about 5 % of its time on kNN updates. An api process keeps Python's default:
+what a request makes dies with it, so a larger young generation has nothing to save there."""
 
 from __future__ import annotations
 
@@ -23,18 +24,22 @@ log = logging.getLogger(__name__)
 
 FREEZE_S = 1.0
 FULL_S = 3600.0
-YOUNG_THRESHOLD = 20_000  # allocations between collections of the youngest generation
+WORKER_YOUNG = 20_000  # a worker's allocations between collections of the youngest generation
 
 
 class Collector:
-    def __init__(self, freeze_s: float = FREEZE_S, full_s: float = FULL_S) -> None:
+    def __init__(self, freeze_s: float = FREEZE_S, full_s: float = FULL_S,
+                 young: int | None = None) -> None:
+        """`young`: allocations between collections of the youngest generation (Python's
+        default when None)."""
         self.freeze_s = freeze_s
         self.full_s = full_s
         now = time.monotonic()
         self.frozen_at = now
         self.full_at = now
-        _, older, oldest = gc.get_threshold()
-        gc.set_threshold(YOUNG_THRESHOLD, older, oldest)
+        if young is not None:
+            _, older, oldest = gc.get_threshold()
+            gc.set_threshold(young, older, oldest)
 
     def tick(self) -> None:
         now = time.monotonic()

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from app.core.collector import YOUNG_THRESHOLD, Collector
+from app.core.collector import WORKER_YOUNG, Collector
 
 
 @pytest.fixture
@@ -49,7 +49,9 @@ def test_a_tick_freezes_what_is_alive_and_a_full_pass_collects_frozen_cycles(
     assert gc.get_freeze_count() > 0  # and freezes again
 
 
-def test_the_youngest_generation_is_collected_less_often(thawed: None) -> None:
+def test_a_workers_youngest_generation_is_collected_less_often(thawed: None) -> None:
     gc.set_threshold(700, 10, 10)
-    Collector()
-    assert gc.get_threshold() == (YOUNG_THRESHOLD, 10, 10)
+    Collector()  # an api process's: Python's default
+    assert gc.get_threshold() == (700, 10, 10)
+    Collector(young=WORKER_YOUNG)
+    assert gc.get_threshold() == (WORKER_YOUNG, 10, 10)
