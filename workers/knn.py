@@ -296,8 +296,10 @@ class KnnState:
     def drop_moving(self, ids: list[str]) -> None:
         for oid in ids:
             self.ghosts.pop(oid, None)
-        for oid in self.objects.drop_moving(ids):
-            self._drop((MOVING, oid))
+        dropped = [(MOVING, oid) for oid in self.objects.drop_moving(ids)]
+        if self.points is not None and dropped:
+            self._moved.update(self.points.remove_many(dropped))
+            self._placed.difference_update(dropped)
 
     def exit_moving(self, oid: str, lon: float, lat: float, ts: float) -> None:
         """The object's record `ts` put it at (lon, lat) in another worker's partition: it

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_right
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from itertools import accumulate
+from typing import TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -24,6 +25,7 @@ F64 = npt.NDArray[np.float64]
 # order of a kNN list, ties broken by id (the same rounding as the lists pushed to subscribers)
 Neighbor = tuple[float, str, float, float, Hashable]
 Accepts = Callable[[frozenset[str]], bool]
+K = TypeVar("K", bound=Hashable)
 # Slack of the lower bound: float rounding must never make it exceed the true distance.
 _SLACK_M = 1e-3
 
@@ -183,6 +185,25 @@ class PointIndex:
             del self.cells[held[0]]
             self._occupied = None
         return True
+
+    def remove_many(self, keys: Sequence[K]) -> list[K]:
+        """`remove` for many keys (a handoff's objects): a cell left empty goes whole, without
+        freeing its slots one by one. Returns the keys that were held."""
+        by_cell: dict[int, list[K]] = {}
+        where = self.where
+        for key in keys:
+            held = where.pop(key, None)
+            if held is not None:
+                by_cell.setdefault(held[0], []).append(key)
+        for cid, gone in by_cell.items():
+            cell = self.cells[cid]
+            if len(gone) < len(cell):
+                for key in gone:
+                    cell.remove(key)
+            else:  # every point of the cell
+                del self.cells[cid]
+                self._occupied = None
+        return [key for gone in by_cell.values() for key in gone]
 
     def _cells(self) -> tuple[npt.NDArray[np.int64], F64, F64, F64, F64, F64]:
         if self._occupied is None:

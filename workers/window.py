@@ -55,10 +55,11 @@ class LiveWindow:
         if not self.moving:
             return []
         ids = list(self.moving)
-        pos = np.asarray([self.moving[i][:2] for i in ids], dtype=np.float64)
-        mask = inside(pos[:, 0], pos[:, 1])
+        n = len(ids)
+        xs = np.fromiter((v[0] for v in self.moving.values()), dtype=np.float64, count=n)
+        ys = np.fromiter((v[1] for v in self.moving.values()), dtype=np.float64, count=n)
         out = []
-        for i in np.flatnonzero(mask).tolist():
+        for i in np.flatnonzero(inside(xs, ys)).tolist():
             oid = ids[i]
             lon, lat, kws = self.moving[oid]
             out.append((oid, lon, lat, sorted(kws), self.moving_ts[oid]))

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from app.geo.geometry import haversine_m
 from app.geo.grid import Grid
-from workers.knn import KnnState, KnnSub, top_k
+from workers.knn import MOVING, KnnState, KnnSub, top_k
 from workers.knn_index import PointIndex, mindist_m
 
 lons = st.floats(-180, 180, allow_nan=False)
@@ -109,6 +109,7 @@ def test_local_lists_equal_brute_force(grid: Grid, across: bool,
             before = now
             for sub in state.subs.values():
                 assert [n[:4] for n in sub.local] == top_k(state.objects, sub), sub.id
+            assert_index_holds_the_window(state)
     state.refresh()
     for sub in state.subs.values():
         assert [n[:4] for n in sub.local] == top_k(state.objects, sub), sub.id
@@ -119,6 +120,18 @@ def test_local_lists_equal_brute_force(grid: Grid, across: bool,
         for n in sub.local:
             held.setdefault(n[4], set()).add(sub.id)
     assert held == state.members
+    assert_index_holds_the_window(state)
+
+
+def assert_index_holds_the_window(state: KnnState) -> None:
+    """The spatial index holds exactly the window's objects, each in the cell `where` says."""
+    points = state.points
+    if points is None:
+        return
+    assert {k: cid for cid, c in points.cells.items() for k in c.slot} == {
+        k: w[0] for k, w in points.where.items()}
+    assert all(len(c) for c in points.cells.values())
+    assert {k[1] for k in points.where if k[0] == MOVING} == set(state.objects.moving)
 
 
 @pytest.mark.parametrize("grid", [Grid(), Grid(nx=36_000, ny=18_000)], ids=["0.36deg", "0.01deg"])
@@ -244,3 +257,24 @@ def test_the_exit_of_a_record_held_here_removes_nothing() -> None:
     assert state.objects.moving["c"][:2] == (40.0, 0.0)
     state.exit_moving("c", 41.0, 0.0, 6.0)
     assert "c" not in state.objects.moving
+
+
+def test_a_handoff_drops_whole_cells_and_parts_of_cells() -> None:
+    """`drop_moving` (the objects a handoff takes away): a cell left empty goes, a cell that
+    keeps other points keeps them, and the lists that held the objects search again."""
+    state = KnnState(window_s=10.0, bucket_s=1.0, grid=Grid(nx=4, ny=2))
+    for i, (x, y) in enumerate([(10.0, 10.0), (10.1, 10.0), (100.0, 10.0), (100.1, 10.0)]):
+        state.upsert_moving(f"m{i}", x, y, frozenset(), 1.0)
+    state.add_event("e0", 100.2, 10.0, frozenset(), 1.0)
+    sub = state.add(KnnSub("s", 10.0, 10.0, 3, frozenset(), False))
+    assert [n[1] for n in sub.local] == ["m0", "m1", "m2"]
+    state.drop_moving(["m0", "m1", "m2", "unknown"])  # one cell whole, one in part
+    assert [s.id for s in state.refresh()] == ["s"]
+    assert [n[1] for n in sub.local] == ["m3", "e0"]
+    assert [n[:4] for n in sub.local] == top_k(state.objects, sub)
+    assert state.points is not None and len(state.points.cells) == 1
+    assert_index_holds_the_window(state)
+    state.upsert_moving("m0", 10.0, 10.0, frozenset(), 2.0)  # the emptied cell again
+    state.refresh()
+    assert [n[1] for n in sub.local] == ["m0", "m3", "e0"]
+    assert_index_holds_the_window(state)
