@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import signal
@@ -15,7 +14,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from app.core.config import Settings, get_settings
-from app.core.processes import wait_until_ok
+from app.core.processes import die_with_parent, wait_until_ok
 
 if TYPE_CHECKING:
     from app.core.redis import EmbeddedRedis
@@ -32,15 +31,6 @@ log = logging.getLogger("geoswarm")
 
 def _logging(level: str = "INFO") -> None:
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-
-
-def _die_with_parent() -> None:
-    """Children of `geoswarm dev` get SIGTERM when it dies, even by SIGKILL (Linux)."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
 
 
 @app.command()
@@ -279,7 +269,7 @@ class Pool:
         self.stopping = False
 
     def spawn(self, name: str, args: list[str]) -> None:
-        proc = subprocess.Popen(args, env=self.env, preexec_fn=_die_with_parent)
+        proc = subprocess.Popen(args, env=self.env, preexec_fn=die_with_parent)
         self.children[name] = (args, proc)
 
     def reap(self) -> None:

@@ -143,7 +143,7 @@ def ingest_rate(n: int, seed: int) -> dict[str, Any]:
     from bench.cluster import ROOT
 
     tmp = Path(tempfile.mkdtemp(prefix="geoswarm-bench-ingest-"))
-    redis_server = start_embedded_redis(Settings(data_dir=tmp / "redis"))
+    redis_server = start_embedded_redis(Settings(data_dir=tmp / "redis"), die_with_parent=True)
     try:
         objs = make_objects(n, np.random.default_rng(seed))
         src = tmp / "objects.parquet"
@@ -182,7 +182,7 @@ def run(sizes: list[int], queries: int, min_records: int, seed: int, png: Path |
         tmp = Path(tempfile.mkdtemp(prefix="geoswarm-bench-archive-"))
         settings = Settings(data_dir=tmp, spark_master="local[*]", bucket_s=BUCKET_S,
                             archive_min_file_records=min_records, environment="test")
-        redis_server = start_embedded_redis(Settings(data_dir=tmp / "redis"))
+        redis_server = start_embedded_redis(Settings(data_dir=tmp / "redis"), die_with_parent=True)
         client = sync_client(redis_server.url)
         spark = get_spark(settings, app_name="geoswarm-bench-archive")
         try:

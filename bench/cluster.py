@@ -19,7 +19,7 @@ import httpx
 import redis
 
 from app.core.config import Settings
-from app.core.processes import stop_processes, wait_until_ok
+from app.core.processes import die_with_parent, stop_processes, wait_until_ok
 from app.core.redis import free_port, start_embedded_redis
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,6 +38,10 @@ class LiveServer:
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     log_dir: Path = Path(".")
     redis_pid: int | None = None
+    # the processes get SIGTERM when the thread that started them ends (a benchmark killed,
+    # by the OOM killer say, leaves no cluster behind); not for tests, which start some from
+    # short-lived threads
+    die_with_parent: bool = False
 
     def admin(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.admin_key}"}
@@ -55,7 +59,8 @@ class LiveServer:
         log = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 - closed with the process
         proc = subprocess.Popen([sys.executable, "-m", "app.cli", *args],
                                 env={**self.env, **(env or {})},
-                                stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+                                stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+                                preexec_fn=die_with_parent if self.die_with_parent else None)
         self.procs[name] = proc
         return proc
 
@@ -124,7 +129,8 @@ def cluster_env(tmp: Path, redis_url: str, database_url: str | None = None, work
 
 
 def start_server(tmp: Path, redis_url: str, database_url: str | None = None, workers: int = 2,
-                 api_processes: int = 1, **env_overrides: str) -> LiveServer:
+                 api_processes: int = 1, die_with_parent: bool = False,
+                 **env_overrides: str) -> LiveServer:
     redis_url = own_database(redis_url)
     client = redis.Redis.from_url(redis_url)
     client.flushdb()
@@ -132,7 +138,8 @@ def start_server(tmp: Path, redis_url: str, database_url: str | None = None, wor
     port = free_port()
     env = {**os.environ, **cluster_env(tmp, redis_url, database_url, workers, **env_overrides)}
     server = LiveServer(base_url=f"http://127.0.0.1:{port}", ws_url=f"ws://127.0.0.1:{port}",
-                        redis_url=redis_url, env=env, log_dir=tmp)
+                        redis_url=redis_url, env=env, log_dir=tmp,
+                        die_with_parent=die_with_parent)
     subprocess.run([sys.executable, "-m", "app.cli", "migrate"], env=env, cwd=ROOT, check=True,
                    capture_output=True)
     for i in range(workers):
@@ -156,9 +163,9 @@ def bench_cluster(prefix: str, workers: int, **env_overrides: str) -> Iterator[L
     """A cluster of `workers` on an embedded redis-server of its own, unthrottled, its
     workers up; everything stopped after."""
     tmp = Path(tempfile.mkdtemp(prefix=prefix))
-    redis_server = start_embedded_redis(Settings(data_dir=tmp / "redis"))
+    redis_server = start_embedded_redis(Settings(data_dir=tmp / "redis"), die_with_parent=True)
     try:
-        server = start_server(tmp, redis_server.url, None, workers, 1,
+        server = start_server(tmp, redis_server.url, None, workers, 1, True,
                               **{**UNTHROTTLED, **env_overrides})
         server.redis_pid = redis_server.process.pid  # its CPU is counted with the processes'
         try:

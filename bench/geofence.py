@@ -177,8 +177,8 @@ def run_one(n_fences: int, n_objects: int, n_updates: int, spread_km: float, bat
     obj, lon, lat = make_updates(x0, y0, n_updates, rng)
     expected = oracle(fences, lon, lat)
     tmp = Path(tempfile.mkdtemp(prefix="geoswarm-geofence-"))
-    redis_server = start_embedded_redis(Settings(data_dir=tmp / "redis"))
-    server = start_server(tmp, redis_server.url, workers=workers,
+    redis_server = start_embedded_redis(Settings(data_dir=tmp / "redis"), die_with_parent=True)
+    server = start_server(tmp, redis_server.url, die_with_parent=True, workers=workers,
                           GEOSWARM_RATE_LIMIT_PER_S="0", GEOSWARM_MAX_BATCH="10000")
     try:
         server.wait_workers(workers)

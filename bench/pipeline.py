@@ -44,8 +44,10 @@ from bench.workload import make_objects, make_subscriptions, to_subs
 SCENARIOS: dict[str, dict[str, Any]] = {
     "selective": {"subs": {"keyword_fraction": 0.97, "keyword_only_fraction": 0.02,
                            "circle_fraction": 0.2, "all_fraction": 0.3}, "rate": None},
+    # about 130 matches per object: 20 000 objects make 2.6 million matches to check
     "dense": {"subs": {"keyword_fraction": 0.0, "keyword_only_fraction": 0.0,
-                       "circle_fraction": 0.2, "jitter_km": 3.0}, "rate": None},
+                       "circle_fraction": 0.2, "jitter_km": 3.0}, "rate": None,
+              "objects": 20_000},
     "latency": {"subs": {"keyword_fraction": 0.97, "keyword_only_fraction": 0.02,
                          "circle_fraction": 0.2, "all_fraction": 0.3}, "rate": 10_000},
     "keywords": {"subs": {"keyword_fraction": 1.0, "keyword_only_fraction": 0.02,
@@ -167,11 +169,22 @@ TS_PLACEHOLDER = 1_500_000_000.0  # in the bodies encoded ahead, replaced at eac
 TS_FIELD = b'"ts":' + orjson.dumps(TS_PLACEHOLDER)
 
 
-def expected_pairs(specs: list[dict[str, Any]], objs: dict[str, Any]) -> set[tuple[int, int]]:
+def expected_pairs(specs: list[dict[str, Any]], objs: dict[str, Any]) -> Any:
+    """The exact matches as sorted unique codes `subscription * objects + object` (int64: a
+    dense run has millions; a set of tuples took gigabytes)."""
     index = SubscriptionIndex(Grid())
     index.add_many(to_subs(specs))
     o, k = index.match(objs["lon"], objs["lat"], objs["keywords"])
-    return set(zip(k.tolist(), o.tolist(), strict=True))
+    return np.unique(k.astype(np.int64) * len(objs["lon"]) + o)
+
+
+def compare_pairs(want: Any, got: Any) -> dict[str, int]:
+    """Delivered against expected, both as pair codes (`got` in arrival order)."""
+    unique = np.unique(got)
+    return {"expected_matches": int(want.size), "delivered": int(got.size),
+            "duplicates": int(got.size - unique.size),
+            "missing": int(np.setdiff1d(want, unique, assume_unique=True).size),
+            "extra": int(np.setdiff1d(unique, want, assume_unique=True).size)}
 
 
 class Listener:
@@ -214,7 +227,6 @@ class Receiver(Listener):
         super().__init__(server, key)
         self.frames: list[tuple[float, str]] = []
         self.count = 0
-        self.pairs: list[tuple[str, str]] = []
         self.latency_ms: list[float] = []
 
     def handle_frame(self, text: str, now: float) -> None:
@@ -229,14 +241,22 @@ class Receiver(Listener):
             self.frames.append((now, line))
             self.count += 1
 
-    def parse(self) -> None:
-        for now, text in self.frames:
+    def parse(self, sub_index: dict[str, int], obj_index: dict[str, int], n: int) -> Any:
+        """The matches received as pair codes (see `expected_pairs`; -1 for an id this run
+        did not create), and their latencies into `latency_ms`. The frames are let go as they
+        are read."""
+        codes: list[int] = []
+        for i, (now, text) in enumerate(self.frames):
+            self.frames[i] = (now, "")
             for line in text.split("\n"):
                 if line.startswith(MATCH_PREFIX):
                     m = orjson.loads(line)
-                    self.pairs.append((m["subscription"], m["object"]["id"]))
+                    k = sub_index.get(m["subscription"], -1)
+                    o = obj_index.get(m["object"]["id"], -1)
+                    codes.append(k * n + o if k >= 0 and o >= 0 else -1)
                     self.latency_ms.append((now - m["object"]["ts"]) * 1000)
         self.frames = []
+        return np.asarray(codes, dtype=np.int64)
 
 
 async def until_quiet(count: Callable[[], int], want: int, idle_s: float = 15.0) -> None:
@@ -313,7 +333,7 @@ async def drive(server: LiveServer, scenario: str, n_subs: int, n_objects: int, 
             tasks.append(asyncio.create_task(send(start)))
         await asyncio.gather(*tasks)
         publish_s = time.perf_counter() - t_pub
-        await until_quiet(lambda: receiver.count, len(expected))
+        await until_quiet(lambda: receiver.count, expected.size)
         done_s = time.perf_counter() - t_pub
         cpu = {k: round(v - cpu0.get(k, 0.0), 1) for k, v in cpu_seconds(server).items()}
         commands = redis_commands(server.redis_url)
@@ -321,9 +341,9 @@ async def drive(server: LiveServer, scenario: str, n_subs: int, n_objects: int, 
         hops = hop_breakdown(hops0, hop_counts(server.base_url))
         rows = {k: int(v - rows0[k]) for k, v in summary_rows(server.base_url).items()}
         receiver.task.cancel()
-    receiver.parse()
-    want = {(sub_ids[k], obj_ids[o]) for k, o in expected}
-    got = receiver.pairs
+    got = receiver.parse({s: i for i, s in enumerate(sub_ids)},
+                         {o: i for i, o in enumerate(obj_ids) if o is not None}, n_objects)
+    counts = compare_pairs(expected, got)
     lat_ms = sorted(receiver.latency_ms)
 
     def pct(p: float) -> float:
@@ -332,12 +352,10 @@ async def drive(server: LiveServer, scenario: str, n_subs: int, n_objects: int, 
     return {
         "scenario": scenario, "subscriptions": n_subs, "objects": n_objects, "batch": batch,
         "target_rate": rate, "subscribe_s": round(sub_create_s, 2),
-        "expected_matches": len(want), "matches_per_object": round(len(want) / n_objects, 2),
-        "delivered": len(got), "duplicates": len(got) - len(set(got)),
-        "missing": len(want - set(got)), "extra": len(set(got) - want),
+        **counts, "matches_per_object": round(counts["expected_matches"] / n_objects, 2),
         "publish_objects_per_s": round(n_objects / publish_s),
         "end_to_end_objects_per_s": round(n_objects / done_s),
-        "delivered_matches_per_s": round(len(got) / done_s),
+        "delivered_matches_per_s": round(got.size / done_s),
         "latency_ms_p50": round(pct(0.50), 1), "latency_ms_p95": round(pct(0.95), 1),
         "latency_ms_p99": round(pct(0.99), 1),
         "latency_ms_mean": round(statistics.fmean(lat_ms), 1) if lat_ms else None,
@@ -351,8 +369,9 @@ def run(scenario: str = "selective", subs: int = 100_000, objects: int = 500_000
         concurrency: int = 4, api_processes: int = 1, summaries: bool = True
         ) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="geoswarm-bench-"))
-    redis_server = start_embedded_redis(Settings(data_dir=tmp / "redis"))
-    server = start_server(tmp, redis_server.url, workers=workers, api_processes=api_processes,
+    redis_server = start_embedded_redis(Settings(data_dir=tmp / "redis"), die_with_parent=True)
+    server = start_server(tmp, redis_server.url, die_with_parent=True, workers=workers,
+                          api_processes=api_processes,
                           GEOSWARM_RATE_LIMIT_PER_S="0", GEOSWARM_WINDOW_S="120",
                           GEOSWARM_MAX_BATCH="10000",
                           GEOSWARM_KEYWORD_SUMMARIES="1" if summaries else "0")
@@ -371,7 +390,8 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="geoswarm bench pipeline", description=__doc__)
     ap.add_argument("--scenario", choices=sorted(SCENARIOS), default="selective")
     ap.add_argument("--subs", type=int, default=100_000)
-    ap.add_argument("--objects", type=int, default=500_000)
+    ap.add_argument("--objects", type=int, default=None,
+                    help="default: 500 000 (20 000 for the dense scenario)")
     ap.add_argument("--batch", type=int, default=2_000)
     ap.add_argument("--rate", type=float, default=None, help="objects/s (default: as fast as "
                     "possible; 10 000 for the latency scenario)")
@@ -384,7 +404,8 @@ def main(argv: list[str] | None = None) -> None:
                     "them, then one with them, side by side")
     a = ap.parse_args(argv)
     sides = {"on": [True], "off": [False], "both": [False, True]}[a.summaries]
-    outs = [run(a.scenario, a.subs, a.objects, a.batch, a.rate, a.workers, a.seed,
+    objects = a.objects or SCENARIOS[a.scenario].get("objects", 500_000)
+    outs = [run(a.scenario, a.subs, objects, a.batch, a.rate, a.workers, a.seed,
                 a.concurrency, a.api_processes, summaries=on) for on in sides]
     keys = list(dict.fromkeys(k for out in outs for k in out))
     width = max(len(k) for k in keys)

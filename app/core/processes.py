@@ -1,8 +1,10 @@
 """Helpers for processes that start other geoswarm processes (the CLI's `dev`, the benchmarks'
-and tests' clusters): wait until a started server answers."""
+and tests' clusters): stop them, wait until a started server answers, and have them die with
+their parent."""
 
 from __future__ import annotations
 
+import ctypes
 import signal
 import subprocess
 import time
@@ -10,6 +12,17 @@ from collections.abc import Iterable
 from typing import Any
 
 import httpx
+
+
+def die_with_parent() -> None:
+    """A `preexec_fn`: the child gets SIGTERM when the thread that started it ends, even by
+    SIGKILL or the OOM killer (Linux; elsewhere nothing). Only for children started from a
+    thread that lives as long as they should (a main thread)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
 
 
 def stop_processes(procs: Iterable[subprocess.Popen[Any]], grace_s: float = 10.0) -> None:

@@ -22,6 +22,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import ExponentialWithJitterBackoff
 
+from app.core import processes
 from app.core.config import Settings
 
 log = logging.getLogger(__name__)
@@ -94,10 +95,11 @@ class EmbeddedRedis:
             pass
 
 
-def start_embedded_redis(settings: Settings, port: int | None = None,
-                         timeout: float = 15.0) -> EmbeddedRedis:
+def start_embedded_redis(settings: Settings, port: int | None = None, timeout: float = 15.0,
+                         die_with_parent: bool = False) -> EmbeddedRedis:
     """Start redis-server on loopback with its AOF under ``data_dir/redis`` (which it loads
-    first: a restart on the same data dir has everything the last one acknowledged)."""
+    first: a restart on the same data dir has everything the last one acknowledged).
+    `die_with_parent`: it gets SIGTERM when this thread ends (`processes.die_with_parent`)."""
     rdir = (settings.data_dir / "redis").resolve()
     rdir.mkdir(parents=True, exist_ok=True)
     port = port or free_port()
@@ -123,7 +125,8 @@ def start_embedded_redis(settings: Settings, port: int | None = None,
         # 32 MB is a few notifications of a burst); it then reads back what it missed
         "--client-output-buffer-limit", "pubsub", "256mb", "64mb", "60",
     ]
-    proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, start_new_session=False)
+    proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, start_new_session=False,
+                            preexec_fn=processes.die_with_parent if die_with_parent else None)
     deadline = time.monotonic() + timeout
     # Until ours serves: not another server that holds the port (ours then exits: bind
     # failed), and not while it loads its AOF.

@@ -76,12 +76,12 @@ def run(cfg: SoakConfig) -> SoakResult:
 
     cfg.out.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix="geoswarm-soak-"))
-    redis_server = start_embedded_redis(Settings(data_dir=tmp / "redis"))
+    redis_server = start_embedded_redis(Settings(data_dir=tmp / "redis"), die_with_parent=True)
     sampler: Sampler | None = None
     load: Load | None = None
     run_s = 0.0
     try:
-        server = start_server(tmp, redis_server.url, workers=cfg.workers,
+        server = start_server(tmp, redis_server.url, die_with_parent=True, workers=cfg.workers,
                               GEOSWARM_WINDOW_S=f"{cfg.window_s:g}",
                               GEOSWARM_BUCKET_S=f"{max(1.0, cfg.window_s / 6):g}",
                               GEOSWARM_BALANCE_PERIOD_S=f"{cfg.balance_period_s:g}")

@@ -241,7 +241,7 @@ def run_real(scenario: str, modes: Sequence[str], cfg: RealConfig, out_dir: Path
     tmp = Path(tempfile.mkdtemp(prefix="geoswarm-swarmbench-"))
     sample = tmp / "history-sample.ndjson"
     write_history_sample(sample, wl)
-    redis_server = start_embedded_redis(Settings(data_dir=tmp / "redis"))
+    redis_server = start_embedded_redis(Settings(data_dir=tmp / "redis"), die_with_parent=True)
     timelines: dict[str, RealTimeline] = {}
     try:
         for mode in modes:
@@ -252,8 +252,8 @@ def run_real(scenario: str, modes: Sequence[str], cfg: RealConfig, out_dir: Path
                    "GEOSWARM_BALANCE_PERIOD_S": str(cfg.round_s),
                    "GEOSWARM_HISTORY_SAMPLE": str(sample)}
             print(f"-- {mode}: starting api, {cfg.workers} workers and a coordinator", flush=True)
-            server = start_server(tmp / mode, redis_server.url, workers=cfg.workers,
-                                  **env)  # type: ignore[arg-type]  # GEOSWARM_* strings
+            server = start_server(tmp / mode, redis_server.url, die_with_parent=True,
+                                  workers=cfg.workers, **env)  # type: ignore[arg-type]  # GEOSWARM_* strings
             try:
                 if hasattr(server, "start_coordinator"):
                     server.start_coordinator()

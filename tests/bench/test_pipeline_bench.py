@@ -42,3 +42,15 @@ def test_keyword_workload_side_by_side_with_and_without_summaries() -> None:
     # most objects hold none of the 300 tracked words: marked, and stored without matching
     assert int(on["routed_no_match"]) > 3000 // 2
     assert 0 < int(on["workers_skipped"]) <= int(on["routed_no_match"])
+
+
+def test_comparison_counts_duplicates_missing_and_extra_matches() -> None:
+    import numpy as np
+
+    from bench.pipeline import compare_pairs
+
+    want = np.array([3, 7, 12, 40], dtype=np.int64)
+    got = np.array([12, 3, 12, 41, -1, 3, 7], dtype=np.int64)  # -1: an id the run never made
+    assert compare_pairs(want, got) == {"expected_matches": 4, "delivered": 7,
+                                        "duplicates": 2, "missing": 1, "extra": 2}
+    assert compare_pairs(want, want[::-1].copy())["duplicates"] == 0
