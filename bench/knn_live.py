@@ -7,7 +7,8 @@ Latency: with every batch of updates one probe object moves exactly onto the poi
 subscription, so that it must head that subscription's next list; the time from its send to
 the first list that shows it, split at the list's history entry (written by a worker: its id
 is Redis's clock). CPU per update: of each process over the
-paced phase. At the end, the last list of every subscription is checked against brute force
+paced phase; the path's breakdown per hop (`app.pipeline.hops`, as `bench pipeline` prints
+it). At the end, the last list of every subscription is checked against brute force
 over the final positions."""
 
 from __future__ import annotations
@@ -26,7 +27,15 @@ import redis
 from app.geo.geometry import haversine_m
 from app.pipeline import names
 from bench.cluster import LiveServer, bench_cluster
-from bench.pipeline import Listener, cpu_seconds, reset_redis_stats, subscribe, top_commands
+from bench.pipeline import (
+    Listener,
+    cpu_seconds,
+    hop_breakdown,
+    hop_counts,
+    reset_redis_stats,
+    subscribe,
+    top_commands,
+)
 from bench.workload import city_points
 
 
@@ -185,6 +194,7 @@ async def drive(server: LiveServer, n_objects: int, n_subs: int, k: int, rate: f
             cpu0 = cpu_seconds(server)
         plan0 = plan_version(server)
         reports0 = knn_reports(server)
+        hops0 = hop_counts(server.base_url)
         reset_redis_stats(server.redis_url)
         start = time.perf_counter()
         moves: list[float] = []
@@ -207,6 +217,9 @@ async def drive(server: LiveServer, n_objects: int, n_subs: int, k: int, rate: f
         reports = {n: v - reports0[n] for n, v in knn_reports(server).items()}
         cpu = {n: v - cpu0.get(n, 0.0) for n, v in cpu_seconds(server).items()}
         commands = top_commands(server.redis_url, 3)
+        await asyncio.sleep(1.0)  # the workers' hops reach /metrics with their heartbeats
+        hops = {f"{k}_p50_p99": v for k, v in
+                hop_breakdown(hops0, hop_counts(server.base_url), short=True).items()}
         task.cancel()
     sample = (list(range(n_subs)) if check <= 0 or check >= n_subs else
               rng.choice(n_subs, size=check, replace=False).tolist())
@@ -252,6 +265,7 @@ async def drive(server: LiveServer, n_objects: int, n_subs: int, k: int, rate: f
         **{f"redis_top_{i + 1}": f"{name} {usec / 1e6:.2f} s"
            for i, (name, _calls, usec) in enumerate(commands)},
         "last_lists_checked": len(sample), "last_lists_wrong": wrong,
+        **hops,
     }
 
 

@@ -119,9 +119,10 @@ def hop_counts(base_url: str) -> dict[str, tuple[list[int], float]]:
 
 
 def hop_breakdown(before: dict[str, tuple[list[int], float]],
-                  after: dict[str, tuple[list[int], float]]) -> dict[str, str]:
+                  after: dict[str, tuple[list[int], float]], short: bool = False
+                  ) -> dict[str, str]:
     """Per hop, over what happened between the two readings: how many objects (or matches)
-    it measured, and its mean, p50 and p99 in milliseconds."""
+    it measured, and its mean, p50 and p99 in milliseconds (`short`: p50/p99 only)."""
     out = {}
     empty = ([0] * (len(BUCKETS) + 1), 0.0)
     for hop in HOP_ORDER:
@@ -134,7 +135,8 @@ def hop_breakdown(before: dict[str, tuple[list[int], float]],
             continue
         p50, p99 = quantile(counts, 0.5), quantile(counts, 0.99)
         assert p50 is not None and p99 is not None
-        out[f"hop_{hop}_ms"] = (f"n {n}  mean {(a[1] - b[1]) / n * 1000:.2f}  "
+        out[f"hop_{hop}_ms"] = (f"{p50 * 1000:.2f}/{p99 * 1000:.2f}" if short else
+                                f"n {n}  mean {(a[1] - b[1]) / n * 1000:.2f}  "
                                 f"p50 {p50 * 1000:.2f}  p99 {p99 * 1000:.2f}")
     return out
 

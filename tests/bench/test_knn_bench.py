@@ -38,6 +38,7 @@ def test_tiny_live_run_delivers_exact_last_lists() -> None:
         assert rows["last_lists_wrong"][i] == "0", out.stdout
         assert int(rows["probes_timed"][i]) > 0 and rows["probes_lost"][i] == "0", out.stdout
         assert float(rows["latency_ms_p99"][i]) > 0, out.stdout
+        assert rows["hop_match_ms_p50_p99"][i].count("/") == 1, out.stdout  # the breakdown
     # the baseline holds every subscription on both workers; bounded ones fewer
     assert float(rows["workers_per_subscription"][1]) == 2.0, out.stdout
     assert float(rows["workers_per_subscription"][0]) < 2.0, out.stdout
