@@ -74,8 +74,12 @@ def decide(t: SubTable, index: Matcher, batch: ObjectBatch, at: list[float]) -> 
         o_prev = k_prev = np.empty(0, dtype=np.int64)
     code_new = (o_new.astype(np.int64) << 32) | k_new.astype(np.int64)
     code_prev = (o_prev.astype(np.int64) << 32) | k_prev.astype(np.int64)
-    was_inside = np.isin(code_new, code_prev)
-    still_inside = np.isin(code_prev, code_new)
+    if code_prev.size:
+        was_inside = np.isin(code_new, code_prev)
+        still_inside = np.isin(code_prev, code_new)
+    else:  # no previous positions (events, first records): isin would still sort code_new
+        was_inside = np.zeros(code_new.size, dtype=bool)
+        still_inside = np.zeros(0, dtype=bool)
 
     det_new = t.detect[k_new]
     live_new = (at_a[o_new] < t.expires[k_new]) & ~xo[o_new]

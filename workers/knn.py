@@ -394,6 +394,13 @@ class KnnState:
     def apply(self, batch: ObjectBatch, at: list[float], now: float) -> list[KnnSub]:
         """Fold a batch into the owned objects; return the subscriptions whose local top-k
         changed."""
+        if self.points is None and not any(batch.moving) and not any(batch.exit_only):
+            # Events of a tenant without kNN subscriptions here (no index to place them in,
+            # no list to change): the window's bookkeeping alone, for the whole batch at once.
+            self.objects.add_events(batch.ids, batch.lon, batch.lat,
+                                    map(frozenset, batch.keywords), at)
+            self.expire(now)
+            return self.refresh()
         for i, oid in enumerate(batch.ids):
             kws = frozenset(batch.keywords[i])
             if batch.exit_only[i]:

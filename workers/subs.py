@@ -255,6 +255,10 @@ class TenantSubs:
         lat = np.asarray(lat, dtype=np.float64)
         local, tenant = self.local, self.tenant
         found: list[MatchResult] = []
+        # Subscriptions held everywhere are in no partition's index, and each point is asked
+        # of the partition holding it: pairs repeat only where a point outside our partitions
+        # asks several of them.
+        repeats = False
         ev = local.everywhere.get(tenant)
         if ev is not None:
             found.append(ev.match(lon, lat, keywords))
@@ -272,6 +276,7 @@ class TenantSubs:
                     targets = here  # a point outside our partitions: ask them all
                 if not targets:
                     continue
+                repeats = repeats or len(targets) > 1
                 whole = rows.size == lon.size
                 plon, plat = (lon, lat) if whole else (lon[rows], lat[rows])
                 kws = keywords if whole else [keywords[i] for i in rows.tolist()]
@@ -283,6 +288,9 @@ class TenantSubs:
             return empty, empty
         if len(found) == 1:
             return found[0]
+        if not repeats:
+            return (np.concatenate([o for o, _ in found]).astype(np.int64, copy=False),
+                    np.concatenate([k for _, k in found]).astype(np.int64, copy=False))
         code = np.unique(np.concatenate([(o.astype(np.int64) << 32) | k.astype(np.int64)
                                          for o, k in found]))
         return code >> 32, code & 0xFFFFFFFF

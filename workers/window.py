@@ -7,6 +7,7 @@ whole buckets expire at once.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -81,6 +82,21 @@ class LiveWindow:
             self.buckets.append((b, []))
         self.buckets[-1][1].append(oid)
         self.events[oid] = (lon, lat, kws)
+
+    def add_events(self, ids: list[str], lon: Iterable[float], lat: Iterable[float],
+                   kws: Iterable[frozenset[str]], at: list[float]) -> None:
+        """`add_event` for each, in order."""
+        if not ids:
+            return
+        b = int(min(at) // self.bucket_s)
+        if int(max(at) // self.bucket_s) != b:  # across a bucket's end: one at a time
+            for oid, x, y, k, a in zip(ids, lon, lat, kws, at, strict=True):
+                self.add_event(oid, x, y, k, a)
+            return
+        if not self.buckets or self.buckets[-1][0] != b:
+            self.buckets.append((b, []))
+        self.buckets[-1][1].extend(ids)
+        self.events.update(zip(ids, zip(lon, lat, kws, strict=True), strict=True))
 
     def expire(self, now: float) -> list[str]:
         """Drop whole buckets older than the window; returns the events that left."""

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from app.geo.geometry import haversine_m
 from app.geo.grid import Grid
+from app.pipeline.wire import ObjectBatch
 from workers.knn import MOVING, KnnState, KnnSub, top_k
 from workers.knn_index import PointIndex, mindist_m
 
@@ -278,3 +279,35 @@ def test_a_handoff_drops_whole_cells_and_parts_of_cells() -> None:
     state.refresh()
     assert [n[1] for n in sub.local] == ["m0", "m3", "e0"]
     assert_index_holds_the_window(state)
+
+
+@settings(max_examples=100, deadline=None)
+@given(events=st.lists(st.tuples(st.integers(0, 8), lons, lats, st.floats(0, 250)),
+                       max_size=30),
+       now=st.floats(100, 400))
+def test_a_batch_of_events_without_knn_subscriptions_is_held_as_one_at_a_time(
+        events: list[tuple[int, float, float, float]], now: float) -> None:
+    """A batch of events of a tenant without kNN subscriptions here is taken at once
+    (`LiveWindow.add_events`): the same window as `add_event` one at a time, buckets included,
+    across a bucket's end and with an id repeated; a kNN subscription arriving later lists
+    them as brute force does."""
+    events.sort(key=lambda e: e[3])  # a batch's arrival times are its entries', in order
+    n = len(events)
+    ids = [f"e{e[0]}" for e in events]
+    kws = [["a"] if e[0] % 2 else [] for e in events]
+    at = [e[3] for e in events]
+    one, bulk = KnnState(100.0, 10.0), KnnState(100.0, 10.0)
+    for oid, (_, x, y, t), k in zip(ids, events, kws, strict=True):
+        one.add_event(oid, x, y, frozenset(k), t)
+    one.expire(now)
+    batch = ObjectBatch(
+        tenant="t", ids=ids, record_ids=ids, lon=[e[1] for e in events],
+        lat=[e[2] for e in events], ts=at, keywords=kws, text=[None] * n, props=[None] * n,
+        moving=[False] * n, prev=[None] * n, late=[False] * n, exit_only=[False] * n,
+        decide_exit=[False] * n, sent_at=0.0, plan_version=1)
+    assert bulk.apply(batch, at, now) == []
+    assert bulk.points is None  # no index without a subscription
+    assert bulk.objects.events == one.objects.events
+    assert list(bulk.objects.buckets) == list(one.objects.buckets)
+    sub = bulk.add(KnnSub("q", 0.0, 0.0, 3, frozenset(), False))
+    assert [nb[:4] for nb in sub.local] == top_k(bulk.objects, sub)
