@@ -394,11 +394,8 @@ class KnnState:
     def apply(self, batch: ObjectBatch, at: list[float], now: float) -> list[KnnSub]:
         """Fold a batch into the owned objects; return the subscriptions whose local top-k
         changed."""
-        if self.points is None and not any(batch.moving) and not any(batch.exit_only):
-            # Events of a tenant without kNN subscriptions here (no index to place them in,
-            # no list to change): the window's bookkeeping alone, for the whole batch at once.
-            self.objects.add_events(batch.ids, batch.lon, batch.lat,
-                                    map(frozenset, batch.keywords), at)
+        if self.points is None and not self.ghosts:
+            self._apply_unindexed(batch, at)
             self.expire(now)
             return self.refresh()
         for i, oid in enumerate(batch.ids):
@@ -415,6 +412,28 @@ class KnnState:
                 self.add_event(oid, batch.lon[i], batch.lat[i], kws, at[i])
         self.expire(now)
         return self.refresh()
+
+    def _apply_unindexed(self, batch: ObjectBatch, at: list[float]) -> None:
+        """`apply`'s rows while the tenant has no kNN subscription here and no ghost: no index
+        to place objects in, no list to change, no listed object to keep as a ghost, so the
+        window's bookkeeping alone, inline (what `upsert_moving`, `exit_moving` and
+        `add_event` then come to); a batch of events at once."""
+        w = self.objects
+        if not any(batch.moving) and not any(batch.exit_only):
+            w.add_events(batch.ids, batch.lon, batch.lat, map(frozenset, batch.keywords), at)
+            return
+        moving, moving_ts = w.moving, w.moving_ts
+        for oid, lon, lat, kws, ts, when, mv, late, xo in zip(
+                batch.ids, batch.lon, batch.lat, batch.keywords, batch.ts, at, batch.moving,
+                batch.late, batch.exit_only, strict=True):
+            if xo:
+                if not late and not w.holds_record(oid, ts, (lon, lat)):
+                    w.remove_moving(oid, ts)
+            elif not mv:
+                w.add_event(oid, lon, lat, frozenset(kws), when)
+            elif not late and moving_ts.get(oid, -1.0) <= ts:
+                moving[oid] = (lon, lat, frozenset(kws))
+                moving_ts[oid] = ts
 
     def refresh(self) -> list[KnnSub]:
         """The subscriptions whose local top-k changed since the last refresh, with their new

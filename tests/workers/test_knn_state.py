@@ -311,3 +311,58 @@ def test_a_batch_of_events_without_knn_subscriptions_is_held_as_one_at_a_time(
     assert list(bulk.objects.buckets) == list(one.objects.buckets)
     sub = bulk.add(KnnSub("q", 0.0, 0.0, 3, frozenset(), False))
     assert [nb[:4] for nb in sub.local] == top_k(bulk.objects, sub)
+
+
+row = st.tuples(st.sampled_from(["move", "exit", "event"]), st.integers(0, 5), lons, lats,
+                st.floats(0, 100), st.booleans())
+
+
+@settings(max_examples=200, deadline=None)
+@given(batches=st.lists(st.lists(row, min_size=1, max_size=12), min_size=1, max_size=6))
+def test_batches_without_knn_subscriptions_are_held_as_row_by_row(
+        batches: list[list[tuple[str, int, float, float, float, bool]]]) -> None:
+    """Batches of moves, exits (late or not, of the position held or another) and events,
+    taken while the tenant has no kNN subscription here (`KnnState._apply_unindexed`), leave
+    the window `upsert_moving`, `exit_moving` and `add_event` leave row by row; a
+    subscription arriving after lists the same."""
+    fast, slow = KnnState(100.0, 10.0), KnnState(100.0, 10.0)
+    held: list[tuple[str, float, float, float]] = []  # positions taken, to exit from them
+    for rows in batches:
+        n = len(rows)
+        ids, lon, lat, ts, late = [], [], [], [], []
+        for kind, i, x, y, t, is_late in rows:
+            if kind == "exit" and held and i % 2:  # the exit of a record held here
+                oid, x, y, t = held[i % len(held)]
+            else:
+                oid = f"o{i}" if kind != "event" else f"e{i}"
+            ids.append(oid)
+            lon.append(x)
+            lat.append(y)
+            ts.append(t)
+            late.append(is_late)
+        kinds = [r[0] for r in rows]
+        kws = [["a"] if r[1] % 2 else [] for r in rows]
+        at = [50.0] * n
+        batch = ObjectBatch(
+            tenant="t", ids=ids, record_ids=ids, lon=lon, lat=lat, ts=ts, keywords=kws,
+            text=[None] * n, props=[None] * n, moving=[k != "event" for k in kinds],
+            prev=[None] * n, late=late, exit_only=[k == "exit" for k in kinds],
+            decide_exit=[False] * n, sent_at=0.0, plan_version=1)
+        assert fast.apply(batch, at, 60.0) == []
+        for j, kind in enumerate(kinds):
+            if kind == "exit":
+                if not late[j]:
+                    slow.exit_moving(ids[j], lon[j], lat[j], ts[j])
+            elif kind == "move":
+                if not late[j]:
+                    slow.upsert_moving(ids[j], lon[j], lat[j], frozenset(kws[j]), ts[j])
+                    held.append((ids[j], lon[j], lat[j], ts[j]))
+            else:
+                slow.add_event(ids[j], lon[j], lat[j], frozenset(kws[j]), at[j])
+        slow.expire(60.0)
+        for attr in ("moving", "moving_ts", "events"):
+            assert getattr(fast.objects, attr) == getattr(slow.objects, attr), attr
+        assert list(fast.objects.buckets) == list(slow.objects.buckets)
+    a = fast.add(KnnSub("q", 0.0, 0.0, 4, frozenset(), False))
+    b = slow.add(KnnSub("q", 0.0, 0.0, 4, frozenset(), False))
+    assert a.local == b.local
