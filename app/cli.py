@@ -33,6 +33,17 @@ def _logging(level: str = "INFO") -> None:
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
+def _redis(settings: Settings) -> tuple[str, EmbeddedRedis | None]:
+    """`resolve_redis_url`, or exit 2 with the reason when that Redis cannot serve geoswarm."""
+    from app.core.redis import ClusterNotSupported, resolve_redis_url
+
+    try:
+        return resolve_redis_url(settings)
+    except ClusterNotSupported as exc:
+        typer.echo(str(exc), err=True)
+        raise typer.Exit(2) from exc
+
+
 @app.command()
 def migrate() -> None:
     """Upgrade the SQL database to the newest schema (alembic upgrade head)."""
@@ -105,7 +116,7 @@ def worker(
     """Run one SWARM executor process."""
     import asyncio
 
-    from app.core.redis import async_client, resolve_redis_url, sync_client
+    from app.core.redis import async_client, sync_client
     from app.pipeline import names
     from app.pipeline.cluster import heartbeat_fresh
     from app.pipeline.router import ensure_plan
@@ -113,7 +124,7 @@ def worker(
 
     _logging()
     settings = get_settings()
-    url, server = resolve_redis_url(settings)
+    url, server = _redis(settings)
     if check:
         raw = sync_client(url).hget(names.WORKERS_KEY, id)
         fresh = heartbeat_fresh(raw, time.time(), settings.worker_dead_after_s)
@@ -139,12 +150,11 @@ def worker(
 def coordinator() -> None:
     """Run SWARM's Coordinator: load-balancing rounds and the admin API's rebalance requests.
     Run any number; one leads (a Redis lease), the others stand by and take over."""
-    from app.core.redis import resolve_redis_url
     from workers.coordinator import run_coordinator
 
     _logging()
     settings = get_settings()
-    url, server = resolve_redis_url(settings)
+    url, server = _redis(settings)
     try:
         run_coordinator(settings, url)
     finally:
@@ -170,13 +180,12 @@ def query_runner(
     """Run a query runner: one long-lived SparkSession answering snapshot queries over the
     archive (GEOSWARM_SPARK_MASTER, default local[*]; GEOSWARM_SPARK_REMOTE for Spark
     Connect). Run any number: each query's archive part is taken by one."""
-    from app.core.redis import resolve_redis_url
     from spark.runner import run_query_runner
 
     _logging()
     settings = get_settings()
     _require_spark(settings, "the query runner")
-    url, server = resolve_redis_url(settings)
+    url, server = _redis(settings)
     try:
         run_query_runner(settings, id or f"r-{socket.gethostname()}-{os.getpid()}", url)
     finally:
@@ -194,14 +203,14 @@ def archive_compact(
 ) -> None:
     """Rewrite the archive into AQWA's query-aware k-d partitions (a Spark job). Queries keep
     running meanwhile; each sees the old layout or the new one."""
-    from app.core.redis import resolve_redis_url, sync_client
+    from app.core.redis import sync_client
     from spark.compact import compact_all
     from spark.session import get_spark
 
     _logging()
     settings = get_settings()
     _require_spark(settings, "compaction")
-    url, server = resolve_redis_url(settings)
+    url, server = _redis(settings)
     spark = get_spark(settings, app_name="geoswarm-archive-compact")
     try:
         done = compact_all(spark, settings, sync_client(url), tenant or None, min_records)
@@ -365,7 +374,7 @@ def dev(
     import asyncio
 
     from app.core.migrate import upgrade_head
-    from app.core.redis import async_client, env_with_redis, resolve_redis_url
+    from app.core.redis import async_client, env_with_redis
     from app.pipeline.router import ensure_plan
     from spark.session import java_available
 
@@ -380,7 +389,7 @@ def dev(
         raise typer.Exit(2)
     settings = get_settings()
     settings.data_dir.mkdir(parents=True, exist_ok=True)
-    url, server = resolve_redis_url(settings)
+    url, server = _redis(settings)
     # Only a server this dev started is its to restart (not one another process runs).
     supervisor = RedisSupervisor(settings, server) if server is not None else None
     pool: Pool | None = None

@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import redis
 import redis.asyncio as aioredis
@@ -163,9 +164,54 @@ def running_embedded_url(settings: Settings) -> str | None:
     return url if url and _ping(url) else None
 
 
+class ClusterNotSupported(RuntimeError):
+    """GEOSWARM_REDIS_URL names a node of a Redis Cluster."""
+
+
+def _cluster_message(url: str) -> str:
+    parts = urlsplit(url)
+    return (f"GEOSWARM_REDIS_URL points at {parts.hostname}:{parts.port or 6379}, a node of a "
+            "Redis Cluster (INFO says cluster_enabled:1). geoswarm needs one Redis server "
+            "(a primary, with replicas if you like): Redis Cluster is not supported yet, "
+            "because its scripts and transactions write keys of several hash slots in one "
+            "step. Point GEOSWARM_REDIS_URL at a standalone Redis.")
+
+
+def _is_cluster(info: Any) -> bool:
+    return str(info.get("cluster_enabled", 0)) == "1"
+
+
+def refuse_cluster(url: str) -> None:
+    """Raise ClusterNotSupported when `url` is a node of a Redis Cluster (every command on a
+    key of another node's slots would fail with MOVED). A Redis that does not answer, or
+    does not let us read INFO, is not judged here: the caller meets it as it would anyway."""
+    try:
+        client = redis.Redis.from_url(url, socket_connect_timeout=2, socket_timeout=5)
+        try:
+            info = client.info("cluster")
+        finally:
+            client.close()
+    except redis.RedisError:
+        return
+    if _is_cluster(info):
+        raise ClusterNotSupported(_cluster_message(url))
+
+
+async def refuse_cluster_async(client: aioredis.Redis, url: str) -> None:
+    """`refuse_cluster` with the api's client."""
+    try:
+        info = await client.info("cluster")
+    except redis.RedisError:
+        return
+    if _is_cluster(info):
+        raise ClusterNotSupported(_cluster_message(url))
+
+
 def resolve_redis_url(settings: Settings) -> tuple[str, EmbeddedRedis | None]:
-    """The Redis to use: GEOSWARM_REDIS_URL, else a running embedded one, else start one."""
+    """The Redis to use: GEOSWARM_REDIS_URL, else a running embedded one, else start one.
+    Raises ClusterNotSupported for a node of a Redis Cluster."""
     if settings.redis_url:
+        refuse_cluster(settings.redis_url)
         return settings.redis_url, None
     url = running_embedded_url(settings)
     if url:
