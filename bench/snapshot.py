@@ -7,7 +7,11 @@ Queries are sent one at a time, alternating the two systems, so that both see th
 machine load; each geoswarm range answer is checked against a brute-force count over the
 published points. The timed requests go through a plain keep-alive HTTP/1.1 connection
 (`Lean`), as GEOSEARCH goes through redis-py: httpx's own work per request was 0.3-0.4 ms of a
-2 ms query (side by side on one server), and its tail more."""
+2 ms query (side by side on one server), and its tail more.
+
+A third side: the same GEOSEARCH calls behind HTTP (`bench.geosearch_http`: the smallest web
+service in front of Redis, Starlette on uvicorn as geoswarm's api runs), what a user comparing
+HTTP APIs would compare against."""
 
 from __future__ import annotations
 
@@ -15,6 +19,8 @@ import argparse
 import http.client
 import math
 import statistics
+import subprocess
+import sys
 import time
 from typing import Any
 
@@ -23,8 +29,10 @@ import numpy as np
 import orjson
 import redis
 
+from app.core.processes import die_with_parent, stop_processes, wait_until_ok
+from app.core.redis import free_port
 from app.geo.geometry import haversine_m
-from bench.cluster import LiveServer, bench_cluster
+from bench.cluster import ROOT, LiveServer, bench_cluster
 from bench.workload import make_objects
 
 GEO_KEY = "bench:geo"
@@ -119,6 +127,14 @@ def run(records: int = 1_000_000, queries: int = 200, workers: int = 2, batch: i
         h = {"Authorization": f"Bearer {key}"}
         out: dict[str, Any] = {"records": records, "workers": workers,
                                "publish_records_per_s": round(records / publish_s)}
+        peer_port = free_port()
+        peer_proc = subprocess.Popen(
+            [sys.executable, "-m", "bench.geosearch_http", str(peer_port), server.redis_url,
+             GEO_KEY], cwd=ROOT, preexec_fn=die_with_parent)
+        if not wait_until_ok(f"http://127.0.0.1:{peer_port}/", peer_proc, timeout=30):
+            stop_processes([peer_proc])
+            raise RuntimeError("the GEOSEARCH web service did not start")
+        peer = Lean(f"http://127.0.0.1:{peer_port}", {}, timeout=60)
         client = Lean(server.base_url, h, timeout=300)
         try:
             # the first query waits behind the workers' backlog: it tells when all is stored
@@ -128,8 +144,8 @@ def run(records: int = 1_000_000, queries: int = 200, workers: int = 2, batch: i
             out["stored_after_s"] = round(time.perf_counter() - t0 + publish_s, 1)
             out["count_all"] = r["results"][0]["count"]
             times: dict[str, list[float]] = {n: [] for n in (
-                "range", "geosearch_box", "range_keywords", "knn", "geosearch_knn",
-                "count_large_box", "http_floor")}
+                "range", "geosearch_box", "geosearch_box_http", "range_keywords", "knn",
+                "geosearch_knn", "geosearch_knn_http", "count_large_box", "http_floor")}
             # answers are checked after the timed loop: the brute force over every point
             # would leave the machine's caches cold for the next query
             checks: list[tuple[str, list[float], Any]] = []
@@ -150,6 +166,9 @@ def run(records: int = 1_000_000, queries: int = 200, workers: int = 2, batch: i
                                     box_km, box_km, "km",
                                     "WITHCOORD", "COUNT", 10_000)
                 times["geosearch_box"].append((time.perf_counter() - t) * 1000)
+                t = time.perf_counter()
+                peer.request("POST", "/box", {"lon": lon, "lat": lat, "km": box_km})
+                times["geosearch_box_http"].append((time.perf_counter() - t) * 1000)
                 word = objs["keywords"][c][0]
                 t = time.perf_counter()
                 client.request("POST", "/v1/queries", {
@@ -165,6 +184,10 @@ def run(records: int = 1_000_000, queries: int = 200, workers: int = 2, batch: i
                                     max(1.0, far * 1.01), "m", "WITHCOORD", "WITHDIST", "ASC",
                                     "COUNT", k)
                 times["geosearch_knn"].append((time.perf_counter() - t) * 1000)
+                t = time.perf_counter()
+                peer.request("POST", "/knn", {"lon": lon, "lat": lat, "k": k,
+                                              "m": max(1.0, far * 1.01)})
+                times["geosearch_knn_http"].append((time.perf_counter() - t) * 1000)
                 checks.append(("knn", [lon, lat], far))
                 t = time.perf_counter()
                 client.request("POST", "/v1/queries", {
@@ -176,6 +199,8 @@ def run(records: int = 1_000_000, queries: int = 200, workers: int = 2, batch: i
                 times["http_floor"].append((time.perf_counter() - t) * 1000)
         finally:
             client.close()
+            peer.close()
+            stop_processes([peer_proc])
         out["answers_differing_from_brute_force"] = sum(
             not _agrees(objs, kind, where, got, k) for kind, where, got in checks)
         for name, ms in times.items():
@@ -184,6 +209,10 @@ def run(records: int = 1_000_000, queries: int = 200, workers: int = 2, batch: i
             out["range"]["p50_ms"] / out["geosearch_box"]["p50_ms"], 1)
         out["knn_vs_geosearch_p50"] = round(
             out["knn"]["p50_ms"] / out["geosearch_knn"]["p50_ms"], 1)
+        out["range_vs_geosearch_http_p50"] = round(
+            out["range"]["p50_ms"] / out["geosearch_box_http"]["p50_ms"], 1)
+        out["knn_vs_geosearch_http_p50"] = round(
+            out["knn"]["p50_ms"] / out["geosearch_knn_http"]["p50_ms"], 1)
         return out
 
 

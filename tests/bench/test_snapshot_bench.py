@@ -17,6 +17,6 @@ def test_tiny_run_is_exact_and_reports_both_systems() -> None:
     table = dict(line.split(None, 1) for line in out.stdout.splitlines() if line.strip())
     assert table["count_all"] == "3000"
     assert table["answers_differing_from_brute_force"] == "0"
-    for name in ("range", "geosearch_box", "range_keywords", "knn", "geosearch_knn",
-                 "count_large_box"):
+    for name in ("range", "geosearch_box", "geosearch_box_http", "range_keywords", "knn",
+                 "geosearch_knn", "geosearch_knn_http", "count_large_box"):
         assert "p99_ms" in table[name]
