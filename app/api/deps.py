@@ -55,7 +55,9 @@ class StrictJSONRoute(APIRoute):
         return strict_handler
 
 
-def get_state(request: Request) -> AppState:
+async def get_state(request: Request) -> AppState:
+    """The process's state. A coroutine: FastAPI runs a plain function dependency in its
+    thread pool, a thread hop on every request."""
     return request.app.state.gs  # type: ignore[no-any-return]
 
 
