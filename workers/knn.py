@@ -396,33 +396,32 @@ class KnnState:
         changed."""
         if self.points is None and not self.ghosts:
             self._apply_unindexed(batch, at)
-            self.expire(now)
-            return self.refresh()
-        for i, oid in enumerate(batch.ids):
-            kws = frozenset(batch.keywords[i])
-            if batch.exit_only[i]:
-                # exit-only copy: the object moved to another worker's partition
-                if not batch.late[i]:
-                    self.exit_moving(oid, batch.lon[i], batch.lat[i], batch.ts[i])
-                continue
-            if batch.moving[i]:
-                if not batch.late[i]:
-                    self.upsert_moving(oid, batch.lon[i], batch.lat[i], kws, batch.ts[i])
-            else:
-                self.add_event(oid, batch.lon[i], batch.lat[i], kws, at[i])
+        else:
+            for i, oid in enumerate(batch.ids):
+                kws = frozenset(batch.keywords[i])
+                if batch.exit_only[i]:
+                    # exit-only copy: the object moved to another worker's partition
+                    if not batch.late[i]:
+                        self.exit_moving(oid, batch.lon[i], batch.lat[i], batch.ts[i])
+                    continue
+                if batch.moving[i]:
+                    if not batch.late[i]:
+                        self.upsert_moving(oid, batch.lon[i], batch.lat[i], kws, batch.ts[i])
+                else:
+                    self.add_event(oid, batch.lon[i], batch.lat[i], kws, at[i])
         self.expire(now)
         return self.refresh()
 
     def _apply_unindexed(self, batch: ObjectBatch, at: list[float]) -> None:
         """`apply`'s rows while the tenant has no kNN subscription here and no ghost: no index
         to place objects in, no list to change, no listed object to keep as a ghost, so the
-        window's bookkeeping alone, inline (what `upsert_moving`, `exit_moving` and
-        `add_event` then come to); a batch of events at once."""
+        window's bookkeeping alone (what `upsert_moving`, `exit_moving` and `add_event` then
+        come to); a batch of events at once."""
         w = self.objects
         if not any(batch.moving) and not any(batch.exit_only):
             w.add_events(batch.ids, batch.lon, batch.lat, map(frozenset, batch.keywords), at)
             return
-        moving, moving_ts = w.moving, w.moving_ts
+        upsert = w.upsert_moving
         for oid, lon, lat, kws, ts, when, mv, late, xo in zip(
                 batch.ids, batch.lon, batch.lat, batch.keywords, batch.ts, at, batch.moving,
                 batch.late, batch.exit_only, strict=True):
@@ -431,9 +430,8 @@ class KnnState:
                     w.remove_moving(oid, ts)
             elif not mv:
                 w.add_event(oid, lon, lat, frozenset(kws), when)
-            elif not late and moving_ts.get(oid, -1.0) <= ts:
-                moving[oid] = (lon, lat, frozenset(kws))
-                moving_ts[oid] = ts
+            elif not late:
+                upsert(oid, lon, lat, frozenset(kws), ts)
 
     def refresh(self) -> list[KnnSub]:
         """The subscriptions whose local top-k changed since the last refresh, with their new

@@ -177,8 +177,10 @@ def _cluster_message(url: str) -> str:
             "step. Point GEOSWARM_REDIS_URL at a standalone Redis.")
 
 
-def _is_cluster(info: Any) -> bool:
-    return str(info.get("cluster_enabled", 0)) == "1"
+def _refuse(info: Any, url: str) -> None:
+    """Raise ClusterNotSupported when `info` (INFO cluster of `url`) says cluster mode."""
+    if str(info.get("cluster_enabled", 0)) == "1":
+        raise ClusterNotSupported(_cluster_message(url))
 
 
 def refuse_cluster(url: str) -> None:
@@ -193,8 +195,7 @@ def refuse_cluster(url: str) -> None:
             client.close()
     except redis.RedisError:
         return
-    if _is_cluster(info):
-        raise ClusterNotSupported(_cluster_message(url))
+    _refuse(info, url)
 
 
 async def refuse_cluster_async(client: aioredis.Redis, url: str) -> None:
@@ -203,8 +204,7 @@ async def refuse_cluster_async(client: aioredis.Redis, url: str) -> None:
         info = await client.info("cluster")
     except redis.RedisError:
         return
-    if _is_cluster(info):
-        raise ClusterNotSupported(_cluster_message(url))
+    _refuse(info, url)
 
 
 def resolve_redis_url(settings: Settings) -> tuple[str, EmbeddedRedis | None]:
