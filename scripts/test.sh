@@ -26,9 +26,11 @@ install_chromium() {
 }
 install_chromium || true
 
-# Without arguments: the whole suite in two processes, each test file kept in one (its
+# Without arguments: the whole suite in one process more than there are cores (most tests
+# spend much of their time waiting on servers they started), each test file kept in one (its
 # module's servers are shared by its tests); GEOSWARM_TEST_PROCESSES=1 runs it in one.
-if [ $# -eq 0 ] && [ "${GEOSWARM_TEST_PROCESSES:-2}" != 1 ]; then
-  set -- -n "${GEOSWARM_TEST_PROCESSES:-2}" --dist loadfile
+processes="${GEOSWARM_TEST_PROCESSES:-$(( $(nproc 2>/dev/null || echo 2) + 1 ))}"
+if [ $# -eq 0 ] && [ "$processes" != 1 ]; then
+  set -- -n "$processes" --dist loadfile
 fi
 exec "$VENV/bin/python" -m pytest "$@"
