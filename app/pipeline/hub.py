@@ -599,22 +599,34 @@ class Hub:
         if note.written_at:
             HOPS.observe("notify", received - note.written_at)
         stamp = (received, note.sent_at) if note.sent_at else None
-        all_conns = self.all_by_tenant.get(tenant, ())
+        all_conns = tuple(self.all_by_tenant.get(tenant, ()))
+        by_sub = self.by_sub
         limit = self.settings.ws_queue_max
         limit_bytes = self.settings.ws_queue_max_bytes or math.inf
         keep = self.recent.max_bytes > 0
         kept: list[tuple[str, tuple[int, int], Recent]] = []
+        woken: set[Connection] = set()
+        pushed = 0
         for sub, prev_id, eid, packed in note.entries:
-            conns = self.by_sub.get(sub)
-            if not conns and not all_conns:
-                continue
-            prev = parse_entry_id(prev_id)
-            key = parse_entry_id(eid)
+            conns = by_sub.get(sub)
+            if conns is None:
+                if not all_conns:
+                    continue
+                targets: tuple[Connection, ...] = all_conns
+            elif all_conns:
+                # a connection listening to every subscription is in both once it listens
+                # to this one: it is visited once
+                targets = (*conns, *(c for c in all_conns if c not in conns))
+            else:
+                targets = tuple(conns)
+            ms, _, seq = eid.partition("-")
+            key = (int(ms), int(seq or 0))
+            prev: tuple[int, int] | None = None
             lines: list[bytes] | None = None
             size = 0
             last_index = 0
             missed = False  # a connection could not take it now
-            for conn in (*(conns or ()), *all_conns):
+            for conn in targets:
                 pos = conn.positions.get(sub)
                 if pos is None:
                     if (conn.listen_all_from is None or conn.closed is not None
@@ -624,6 +636,8 @@ class Hub:
                     self.listen(conn, {sub: pos}, pos[0], read=not keep)
                 if (pos[0], pos[1]) >= key:
                     continue  # already delivered by the pump
+                if prev is None:
+                    prev = parse_entry_id(prev_id)
                 if not caught_up(pos, prev, key):
                     # behind: what comes before it is still to be delivered (by the pump)
                     self._missed(conn, sub, key, keep)
@@ -644,10 +658,15 @@ class Hub:
                     continue
                 conn.positions[sub] = (key[0], key[1], last_index)
                 conn.outbox.extend(lines, size, stamp)
-                _PUSHED.inc(len(lines))
-                conn.wake.set()
+                pushed += len(lines)
+                woken.add(conn)
             if missed and keep:
-                kept.append((sub, prev, Recent(key, eid, packed, records, stamp)))
+                kept.append((sub, parse_entry_id(prev_id), Recent(key, eid, packed, records,
+                                                                  stamp)))
+        if pushed:
+            _PUSHED.inc(pushed)
+        for conn in woken:
+            conn.wake.set()
         if kept:
             self.recent.add(kept, records)
 
