@@ -599,7 +599,7 @@ class Hub:
         if note.written_at:
             HOPS.observe("notify", received - note.written_at)
         stamp = (received, note.sent_at) if note.sent_at else None
-        all_conns = tuple(self.all_by_tenant.get(tenant, ()))
+        all_conns = frozenset(self.all_by_tenant.get(tenant, ()))
         by_sub = self.by_sub
         limit = self.settings.ws_queue_max
         limit_bytes = self.settings.ws_queue_max_bytes or math.inf
@@ -612,13 +612,13 @@ class Hub:
             if conns is None:
                 if not all_conns:
                     continue
-                targets: tuple[Connection, ...] = all_conns
-            elif all_conns:
-                # a connection listening to every subscription is in both once it listens
-                # to this one: it is visited once
-                targets = (*conns, *(c for c in all_conns if c not in conns))
-            else:
+                targets: tuple[Connection, ...] | frozenset[Connection] = all_conns
+            elif not all_conns or all_conns <= conns:
+                # (a connection listening to every subscription is in both once it listens
+                # to this one: it is visited once)
                 targets = tuple(conns)
+            else:
+                targets = (*conns, *(all_conns - conns))
             ms, _, seq = eid.partition("-")
             key = (int(ms), int(seq or 0))
             prev: tuple[int, int] | None = None

@@ -148,6 +148,35 @@ def test_a_connection_listening_to_all_gets_each_new_subscription_from_its_first
     assert delivered(conn) == [("s8", "100-7:0", "c")]
 
 
+def test_each_connection_gets_an_entry_once_whether_it_listens_to_all_or_to_it() -> None:
+    """A connection listening to every subscription is both a listener of the tenant and,
+    once it has had an entry of a subscription, of that subscription; another connection
+    listens to that subscription alone. Each gets every entry once."""
+    h = hub()
+    everything = Connection(transport=Transport(), principal=Principal("k1", TENANT, False))
+    h.register(everything)
+    h.listen_all(everything, (99, 2**64 - 1, 2**64 - 1))
+    h.handle_history_appended(note(("s1", "0-0", "100-1", ["a"])))
+    assert delivered(everything) == [("s1", "100-1:0", "a")]
+    one = connect(h, ["s1"], at="100-1")
+    h.handle_history_appended(note(("s1", "100-1", "100-2", ["b"]),
+                                   ("s2", "0-0", "100-3", ["c"])))
+    assert delivered(everything) == [("s1", "100-2:0", "b"), ("s2", "100-3:0", "c")]
+    assert delivered(one) == [("s1", "100-2:0", "b")]
+    # the connection listening to all has had s1's entries: it is a listener of s1 as well
+    assert h.by_sub["s1"] == {everything, one}
+    h.handle_history_appended(note(("s1", "100-2", "100-4", ["d", "e"])))
+    assert delivered(everything) == [("s1", "100-4:0", "d"), ("s1", "100-4:1", "e")]
+    assert delivered(one) == [("s1", "100-4:0", "d"), ("s1", "100-4:1", "e")]
+    assert everything.wake.is_set() and one.wake.is_set()
+    # a subscription the other connection listens to before the one listening to all had any
+    # entry of it
+    h.listen(one, {"s3": (0, 0, 0)}, 100, read=False)
+    h.handle_history_appended(note(("s3", "0-0", "100-5", ["f"])))
+    assert delivered(everything) == [("s3", "100-5:0", "f")]
+    assert delivered(one) == [("s3", "100-5:0", "f")]
+
+
 def test_the_pump_sends_what_it_caught_up_before_reading() -> None:
     h = hub()
     conn = connect(h, ["s1"])
