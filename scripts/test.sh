@@ -26,10 +26,12 @@ install_chromium() {
 }
 install_chromium || true
 
-# Without arguments: the whole suite in one process more than there are cores (most tests
-# spend much of their time waiting on servers they started), each test file kept in one (its
-# module's servers are shared by its tests); GEOSWARM_TEST_PROCESSES=1 runs it in one.
-processes="${GEOSWARM_TEST_PROCESSES:-$(( $(nproc 2>/dev/null || echo 2) + 1 ))}"
+# Without arguments: the whole suite in one process more than there are cores, at most 8
+# (most tests spend much of their time waiting on servers they started; each process may run
+# a SparkSession), each test file kept in one (its module's servers are shared by its tests);
+# GEOSWARM_TEST_PROCESSES=N sets the number, 1 runs it in one.
+cores="$(nproc 2>/dev/null || echo 2)"
+processes="${GEOSWARM_TEST_PROCESSES:-$(( cores + 1 < 8 ? cores + 1 : 8 ))}"
 if [ $# -eq 0 ] && [ "$processes" != 1 ]; then
   set -- -n "$processes" --dist loadfile
 fi
