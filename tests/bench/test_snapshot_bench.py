@@ -20,3 +20,13 @@ def test_tiny_run_is_exact_and_reports_both_systems() -> None:
     for name in ("range", "geosearch_box", "geosearch_box_http", "range_keywords", "knn",
                  "geosearch_knn", "geosearch_knn_http", "count_large_box"):
         assert "p99_ms" in table[name]
+
+
+def test_query_boxes_stop_at_the_edges_of_the_world() -> None:
+    """A box around a record near the antimeridian or a pole is cut there, as the api
+    accepts it (a box past ±180 made a run with more queries fail with 422)."""
+    from bench.snapshot import world_box
+
+    assert world_box(170.0, 80.0, 190.0, 95.0) == [170.0, 80.0, 180.0, 90.0]
+    assert world_box(-185.0, -92.0, -175.0, -85.0) == [-180.0, -90.0, -175.0, -85.0]
+    assert world_box(1.0, 2.0, 3.0, 4.0) == [1.0, 2.0, 3.0, 4.0]
