@@ -22,17 +22,25 @@ from app.geo.grid import Grid
 from app.pipeline import names, wire
 from app.pipeline.cluster import entry_order
 
-# KEYS[1] = a worker's counts hash; ARGV[1] = its mark field, then pairs: a counts field and
-# the version the reader holds ('' for none). Returns the mark (nil if none), then a triple
-# (field, version, counts) per field whose version differs ('' for both when it is gone).
+# KEYS[1] = a worker's counts hash; ARGV = its mark field, the tenant, the first and last
+# arrival buckets to read, and the versions the reader holds of those buckets' counts fields,
+# in bucket order, joined by newlines ('' for none): a few arguments whatever the window's
+# length (one per field was 150 us of the api's command packing per count query). Returns
+# the mark (nil if none), then a triple (field, version, counts) per field whose version
+# differs ('' for both when it is gone).
 READ_SCRIPT = """
 local out = {redis.call('HGET', KEYS[1], ARGV[1])}
-for i = 2, #ARGV, 2 do
-  local version = redis.call('HGET', KEYS[1], ARGV[i] .. '\\30v') or ''
-  if version ~= ARGV[i + 1] then
-    out[#out + 1] = ARGV[i]
+local held = {}
+for version in string.gmatch(ARGV[5] .. '\\n', '([^\\n]*)\\n') do held[#held + 1] = version end
+local i = 0
+for bucket = tonumber(ARGV[3]), tonumber(ARGV[4]) do
+  i = i + 1
+  local field = ARGV[2] .. '\\31' .. string.format('%d', bucket)
+  local version = redis.call('HGET', KEYS[1], field .. '\\30v') or ''
+  if version ~= (held[i] or '') then
+    out[#out + 1] = field
     out[#out + 1] = version
-    out[#out + 1] = (version ~= '' and redis.call('HGET', KEYS[1], ARGV[i])) or ''
+    out[#out + 1] = (version ~= '' and redis.call('HGET', KEYS[1], field)) or ''
   end
 end
 return out
@@ -89,17 +97,18 @@ class CellCounts:
         self.held: dict[tuple[str, str], HeldCounts] = {}
         self._read = redis.register_script(READ_SCRIPT)
 
-    def read(self, pipe: Any, workers: list[str], tenant: str, fields: list[str]) -> Reading:
-        """Queue the read of the workers' counts of `fields` on `pipe` (give the pipeline's
-        replies to `absorb`)."""
+    def read(self, pipe: Any, workers: list[str], tenant: str, buckets: range) -> Reading:
+        """Queue the read of the workers' counts of the tenant's arrival `buckets` (a range
+        of step 1) on `pipe` (give the pipeline's replies to `absorb`)."""
         first = len(pipe.command_stack)
+        fields = [names.cell_counts_field(tenant, b) for b in buckets]
         bases = [self.held.get((w, tenant)) for w in workers]
         for worker, base in zip(workers, bases, strict=True):
-            args: list[Any] = [names.CELL_COUNTS_UPTO]
-            for field in fields:
-                held = base.fields.get(field) if base is not None else None
-                args += [field, held.version if held is not None else b""]
-            run_script(pipe, self._read, [names.cell_counts_key(worker)], args)
+            held = base.fields if base is not None else {}
+            versions = b"\n".join(held[f].version if f in held else b"" for f in fields)
+            run_script(pipe, self._read, [names.cell_counts_key(worker)],
+                       [names.CELL_COUNTS_UPTO, tenant, buckets.start, buckets.stop - 1,
+                        versions])
         return Reading(workers, tenant, fields, bases, first)
 
     def absorb(self, reading: Reading, results: list[Any], grid: Grid) -> list[HeldCounts]:

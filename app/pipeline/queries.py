@@ -360,24 +360,26 @@ class QueryService:
         cells = whole_cells(index.grid, query.bbox)
         if cells is None:
             return None
-        # One round trip: failovers, the counts that changed since this process read them
-        # (with the mark of the entry they count up to: one script reads both, one state of
-        # them), and the part of the cells the box cuts, counted by the workers. Each
-        # answers with the entry it had processed, having written its counts that far: what
-        # "accepted before the query" means for the counts.
+        # One round trip: the part of the cells the box cuts, counted by the workers (first,
+        # so that they start at once), failovers, and the counts that changed since this
+        # process read them (with the mark of the entry they count up to: one script reads
+        # both, one state of them). Each worker answers with the entry it had processed,
+        # having written its counts that far: what "accepted before the query" means for the
+        # counts, which are used once they include it (read after the parts were sent, they
+        # may include later entries too).
         # the buckets of the window (a little past now: another api process's clock)
-        fields = [names.cell_counts_field(tenant, b) for b in range(
-            int((run.as_of - self.settings.window_s) // self.settings.bucket_s),
-            int(run.as_of // self.settings.bucket_s) + 3)]
+        buckets = range(int((run.as_of - self.settings.window_s) // self.settings.bucket_s),
+                        int(run.as_of // self.settings.bucket_s) + 3)
         pipe = self.redis.pipeline(transaction=False)
-        for w in targets:
-            pipe.get(names.adopter_key(w))
-        reading = self.counts.read(pipe, targets, tenant, fields)
         border = _Run(self, tenant, msgspec.structs.replace(query, skip_cells=cells),
                       run.as_of, run.deadline, [], run.version)
         sending = border.send(pipe, targets, 0)
+        adopters = len(pipe.command_stack)
+        for w in targets:
+            pipe.get(names.adopter_key(w))
+        reading = self.counts.read(pipe, targets, tenant, buckets)
         got = await pipe.execute()
-        if any(a is not None for a in got[:len(targets)]):
+        if any(a is not None for a in got[adopters:adopters + len(targets)]):
             # (the parts sent are answered to a list nobody reads, which expires)
             log.info("a failed-over worker among %s: the workers count", targets)
             return None
@@ -389,13 +391,13 @@ class QueryService:
                      "count", [w for w in targets if marks[w] is None])
             return None
         counted = await self._whole_cells(
-            tenant, fields, targets, [entry_order(str(marks[w])) for w in targets], held,
+            tenant, buckets, targets, [entry_order(str(marks[w])) for w in targets], held,
             cells, index.grid, run.as_of)
         if counted is None:
             return None
         return counted + sum(r.count for r in replies)
 
-    async def _whole_cells(self, tenant: str, fields: list[str], targets: list[str],
+    async def _whole_cells(self, tenant: str, buckets: range, targets: list[str],
                            tails: list[tuple[int, int]], held: list[HeldCounts],
                            cells: tuple[int, int, int, int], grid: Grid, as_of: float
                            ) -> int | None:
@@ -411,7 +413,7 @@ class QueryService:
             await asyncio.sleep(pause)
             pause = 0.002
             pipe = self.redis.pipeline(transaction=False)
-            reading = self.counts.read(pipe, targets, tenant, fields)
+            reading = self.counts.read(pipe, targets, tenant, buckets)
             held = self.counts.absorb(reading, await pipe.execute(), grid)
         horizon = int((as_of - self.settings.window_s) // self.settings.bucket_s)
         return sum(h.count(cells, horizon) for h in held)

@@ -1,0 +1,68 @@
+"""The api's read of the workers' per-cell counts (`CellCounts`): one script call per worker
+returns the mark and only the buckets' counts whose version differs from what the reader
+holds, including buckets gone since. Real Redis; the hash written as a worker writes it."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import redis.asyncio as aioredis
+
+from app.geo.grid import Grid
+from app.pipeline import names, wire
+from app.pipeline.cellcounts import CellCounts
+
+TENANT = "t:1"  # a tenant id with a separator-like character in it
+
+
+def _counts(bucket: int, cells: dict[int, int]) -> bytes:
+    return wire.encode_cell_counts(wire.CellCounts(buckets=[(
+        bucket, np.fromiter(cells, dtype="<i8", count=len(cells)).tobytes(),
+        np.fromiter(cells.values(), dtype="<i8", count=len(cells)).tobytes())]))
+
+
+async def _write(client: aioredis.Redis, bucket: int, version: str,
+                 cells: dict[int, int] | None) -> None:
+    field = names.cell_counts_field(TENANT, bucket)
+    key = names.cell_counts_key("w0")
+    if cells is None:
+        await client.hdel(key, field, names.cell_counts_version_field(field))
+    else:
+        await client.hset(key, mapping={field: _counts(bucket, cells),
+                                        names.cell_counts_version_field(field): version})
+
+
+def test_only_changed_buckets_are_read_again(redis_db: str) -> None:
+    async def main() -> None:
+        client = aioredis.Redis.from_url(redis_db)
+        grid = Grid()
+        counts = CellCounts(client)
+        buckets = range(-2, 4)  # negative buckets too (a clock near the epoch)
+        whole = (0, 0, grid.nx - 1, grid.ny - 1)
+
+        async def read() -> tuple[int, list[str]]:
+            pipe = client.pipeline(transaction=False)
+            reading = counts.read(pipe, ["w0"], TENANT, buckets)
+            got = await pipe.execute()
+            changed = [f.decode() if isinstance(f, bytes) else f for f in got[0][1::3]]
+            held = counts.absorb(reading, got, grid)
+            return held[0].count(whole, buckets.start), changed
+
+        await client.hset(names.cell_counts_key("w0"), names.CELL_COUNTS_UPTO, "5-0")
+        await _write(client, -1, "e1.1", {10: 2, 11: 3})
+        await _write(client, 2, "e1.2", {10: 4})
+        await _write(client, 9, "e1.3", {10: 100})  # outside the buckets read
+        assert await read() == (9, [names.cell_counts_field(TENANT, -1),
+                                    names.cell_counts_field(TENANT, 2)])
+        assert await read() == (9, [])  # nothing changed: nothing sent again
+        await _write(client, 2, "e1.4", {10: 4, 12: 1})
+        await _write(client, 3, "e1.5", {13: 7})
+        assert await read() == (17, [names.cell_counts_field(TENANT, 2),
+                                     names.cell_counts_field(TENANT, 3)])
+        await _write(client, -1, "", None)  # gone (its records left the window)
+        assert await read() == (12, [names.cell_counts_field(TENANT, -1)])
+        assert await read() == (12, [])
+        await client.aclose()
+
+    asyncio.run(main())
