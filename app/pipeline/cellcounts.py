@@ -25,7 +25,7 @@ from app.pipeline.cluster import entry_order
 # KEYS[1] = a worker's counts hash; ARGV = its mark field, the tenant, the first and last
 # arrival buckets to read, and the versions the reader holds of those buckets' counts fields,
 # in bucket order, joined by newlines ('' for none): a few arguments whatever the window's
-# length (one per field was 150 us of the api's command packing per count query). Returns
+# length (one per field was 145 us of the api's command packing per count query). Returns
 # the mark (nil if none), then a triple (field, version, counts) per field whose version
 # differs ('' for both when it is gone).
 READ_SCRIPT = """

@@ -660,9 +660,8 @@ class Hub:
                 conn.outbox.extend(lines, size, stamp)
                 pushed += len(lines)
                 woken.add(conn)
-            if missed and keep:
-                kept.append((sub, parse_entry_id(prev_id), Recent(key, eid, packed, records,
-                                                                  stamp)))
+            if missed and keep and prev is not None:  # (a miss parsed prev)
+                kept.append((sub, prev, Recent(key, eid, packed, records, stamp)))
         if pushed:
             _PUSHED.inc(pushed)
         for conn in woken:

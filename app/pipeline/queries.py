@@ -392,16 +392,16 @@ class QueryService:
             return None
         counted = await self._whole_cells(
             tenant, buckets, targets, [entry_order(str(marks[w])) for w in targets], held,
-            cells, index.grid, run.as_of)
+            cells, index.grid)
         if counted is None:
             return None
         return counted + sum(r.count for r in replies)
 
     async def _whole_cells(self, tenant: str, buckets: range, targets: list[str],
                            tails: list[tuple[int, int]], held: list[HeldCounts],
-                           cells: tuple[int, int, int, int], grid: Grid, as_of: float
-                           ) -> int | None:
-        """The records in `cells` from the workers' counts, once each includes its tail."""
+                           cells: tuple[int, int, int, int], grid: Grid) -> int | None:
+        """The records in `cells` from the workers' counts of `buckets` (the window's, from
+        its first), once each includes its tail."""
         give_up = time.monotonic() + COUNTS_WAIT_S
         pause = 0.0  # read again at once (the workers wrote their counts before answering)
         while not self.counts.caught_up(held, tails):
@@ -415,8 +415,7 @@ class QueryService:
             pipe = self.redis.pipeline(transaction=False)
             reading = self.counts.read(pipe, targets, tenant, buckets)
             held = self.counts.absorb(reading, await pipe.execute(), grid)
-        horizon = int((as_of - self.settings.window_s) // self.settings.bucket_s)
-        return sum(h.count(cells, horizon) for h in held)
+        return sum(h.count(cells, buckets.start) for h in held)
 
     async def targets(self, index: GlobalIndex, query: wire.SnapshotQuery, now: float
                       ) -> list[str]:
