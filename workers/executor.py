@@ -33,6 +33,7 @@ from app.pipeline import cluster, names, records, wire
 from app.pipeline.control import PLAN_CAS_SCRIPT
 from app.pipeline.histories import APPEND_HISTORY_LUA, history_housekeeping_ms
 from app.pipeline.hops import HopTimes
+from app.pipeline.knnreg import DROP_WORKER_SCRIPT, MERGE_SCRIPT
 from app.pipeline.records import public_record
 from app.pipeline.router import (
     grid_of,
@@ -56,6 +57,7 @@ from workers.knn import KnnState, KnnSub
 from workers.knn_reg import KnnRegistry
 from workers.ledger import SwarmLedger, rect_of
 from workers.migration import CommandRefused, Migration
+from workers.outbox import OutboxPipe, Relayer, relay_outbox
 from workers.records import RecordWindow, TenantRecords, records_of
 from workers.snapshot import evaluate
 from workers.subs import LocalSubs
@@ -134,6 +136,9 @@ class Executor:
         self.started = time.time()
         self.knn: dict[str, KnnState] = {}
         self._history = self.redis.register_script(HISTORY_SCRIPT)
+        # the scripts a commit may queue (see `commit_pipe`)
+        self.relayer = Relayer(self.redis, (HISTORY_SCRIPT, MERGE_SCRIPT, DROP_WORKER_SCRIPT)
+                               ) if settings.redis_outbox else None
         self.pending_history: list[tuple[str, int, list[str], list[bytes], dict[str, bytes]]] = []
         # Snapshot queries: the window's records, those of the entries being processed (kept
         # once their transaction commits) and the queries among them, each with the number of
@@ -183,6 +188,7 @@ class Executor:
         self._ensure_group()
         # Our stream is ours again: an adoption of it (we were failed over) ends here.
         self.epoch = int(self.redis.incr(names.fence_key(self.id)))
+        self.relay_outbox(self.id)  # before anything reads what a commit of ours wrote
         self.redis.delete(names.adopter_key(self.id), names.keyword_summaries_key(self.id))
         self.load_plan()
         self.sync_stats()
@@ -202,6 +208,7 @@ class Executor:
                 if self.must_recover:
                     # A transaction whose reply was lost may have committed: the window log
                     # says which records are ours.
+                    self.relay_outbox(self.id)
                     self._rebuild_window()
                     self._recover_pending()
                     self._processed_at_start()
@@ -624,6 +631,19 @@ class Executor:
                 self.redis.xclaim(stream, names.GROUP, self.id, min_idle_time=0,
                                   message_ids=ids[a:a + 500], justid=True)
 
+    def commit_pipe(self, owner: str) -> Any:
+        """The transaction of a commit on `owner`'s stream (ours, or an adopted one): one
+        MULTI/EXEC, or with `redis_outbox` one through the stream's outbox (`workers.outbox`),
+        whose `execute` also relays it."""
+        if self.relayer is None:
+            return self.redis.pipeline(transaction=True)
+        return OutboxPipe(self.redis, names.worker_stream(owner), owner, self.relayer)
+
+    def relay_outbox(self, owner: str) -> None:
+        """Finish the relay of what `owner`'s outbox still holds (see `workers.outbox`)."""
+        if self.relayer is not None:
+            relay_outbox(self.redis, owner, self.relayer)
+
     def _pending_count(self) -> int:
         summary = self.redis.xpending(self.stream, names.GROUP)
         return int(summary["pending"]) if summary else 0
@@ -634,7 +654,7 @@ class Executor:
         before (skip those whose matches are written); `after_crash`: by an earlier process
         (dead-letter those delivered too often; see `_recover_pending`). The transaction
         commits only while our stream's fence is ours (raises Fenced otherwise)."""
-        pipe = self.redis.pipeline(transaction=True)
+        pipe = self.commit_pipe(self.id)
         try:
             watch_fence(pipe, self.id, self.epoch)
             self._process_in(pipe, entries, replay, after_crash)
@@ -834,6 +854,8 @@ class Executor:
             entries = []
             for a in range(0, len(sub_ids), HISTORY_CHUNK):
                 reply = next(it)
+                if reply is None:  # relayed by another (`workers.outbox`): hubs read it
+                    continue
                 for j, sid in enumerate(sub_ids[a:a + HISTORY_CHUNK]):
                     entries.append((sid, reply[2 * j].decode(), reply[2 * j + 1].decode(),
                                     refs[a + j]))

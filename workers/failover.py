@@ -206,6 +206,7 @@ class Adoption:
         self.stream = names.worker_stream(dead)
         s = ex.settings
         self.archiver = Archiver(ex.redis, s, grid_of(s), dead)
+        ex.relay_outbox(dead)  # its last commits, before its window is read back
         self.records = load_window(ex.redis, names.window_stream(dead), s.window_s, s.bucket_s,
                                    f"worker {ex.id} (adopting {dead})", self.archiver.load())
         self.forwarded = 0
@@ -228,7 +229,7 @@ class Adoption:
         """Forward, answer and acknowledge entries of the dead worker's stream; raises Fenced
         when the worker has come back (or another failover took the stream)."""
         ex = self.ex
-        pipe = ex.redis.pipeline(transaction=True)
+        pipe = ex.commit_pipe(self.dead)
         try:
             watch_fence(pipe, self.dead, self.epoch)
             ids = [e[0] for e in entries]

@@ -292,7 +292,7 @@ class Migration:
         # are then searched again only where they stay.
         ex.knnreg.leave_unreached(list(carried.values()))
         if leaving:
-            pipe = ex.redis.pipeline(transaction=True)
+            pipe = ex.commit_pipe(ex.id)
             notify: dict[str, set[str]] = {}
             for tenant, ids in leaving:
                 state = ex.knn[tenant]

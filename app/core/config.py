@@ -49,6 +49,9 @@ class Settings(BaseSettings):
     # continuous kNN: send every subscription to every worker (the baseline the bounded
     # registrations of app.pipeline.knnreg are measured against)
     knn_broadcast: bool = False
+    # Workers commit through their outbox (`workers.outbox`), as a Redis Cluster needs, even
+    # on a standalone Redis: for tests of that path.
+    redis_outbox: bool = False
     # Tornado §4: routers mark the rows that no subscription of the receiving worker can match
     # by their keywords (the workers' keyword summaries), and the workers skip matching them
     keyword_summaries: bool = True

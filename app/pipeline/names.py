@@ -53,6 +53,12 @@ def worker_stream(worker: str) -> str:
     return f"gs:w:{worker}"
 
 
+def outbox_stream(worker: str) -> str:
+    """The commits of a worker stream's consumer waiting to be relayed to other hash slots
+    (`workers.outbox`; used on a Redis Cluster)."""
+    return f"gs:out:{worker}"
+
+
 def command_stream(worker: str) -> str:
     """The stream of the coordinator's wire.Command messages to one worker."""
     return f"gs:cmd:{worker}"

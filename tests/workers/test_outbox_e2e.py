@@ -1,0 +1,81 @@
+"""The workers committing through their outbox (`workers.outbox`, what a Redis Cluster needs),
+end to end with real processes on a standalone Redis: the exactness scenarios of the pipeline,
+failover and Redis-fault tests pass unchanged against the brute-force oracle (every match
+once) while workers are SIGKILLed, Redis is SIGKILLed and restarted, and replies of applied
+transactions and relays are cut."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from app.core.config import Settings
+from app.core.redis import EmbeddedRedis
+from app.pipeline import names
+from tests.conftest import LiveServer, start_server
+from tests.workers import test_failover, test_pipeline, test_redis_faults
+from tests.workers.harness import run_on_cluster
+from tests.workers.test_redis_faults import CuttingProxy, own_redis  # noqa: F401 - fixture
+
+OUTBOX = {"GEOSWARM_REDIS_OUTBOX": "1"}
+
+
+@pytest.fixture(scope="module")
+def pipeline(tmp_path_factory: pytest.TempPathFactory,
+             embedded_redis: EmbeddedRedis) -> Iterator[LiveServer]:
+    s = start_server(tmp_path_factory.mktemp("outbox"), embedded_redis.url, workers=3, **OUTBOX)
+    s.wait_workers(3)
+    yield s
+    s.stop()
+
+
+def test_exact_delivery(pipeline: LiveServer) -> None:
+    asyncio.run(test_pipeline._exact_workload(pipeline, seed=17))
+    client = redis.Redis.from_url(pipeline.redis_url)
+    try:  # the matches went through the relay, and nothing is left to relay
+        assert any(True for _ in client.scan_iter(match="gs:relay:*"))
+        assert not any(client.xlen(names.outbox_stream(f"w{i}")) for i in range(3))
+    finally:
+        client.close()
+
+
+def test_worker_sigkill_and_client_resume(pipeline: LiveServer) -> None:
+    asyncio.run(test_pipeline._kill_and_resume(pipeline))
+
+
+def test_continuous_knn_matches_oracle(pipeline: LiveServer) -> None:
+    asyncio.run(test_pipeline._knn(pipeline))
+
+
+@pytest.mark.slow
+def test_dead_worker_fails_over_with_every_match_once(tmp_path: Path,
+                                                     embedded_redis: EmbeddedRedis) -> None:
+    run_on_cluster(tmp_path, embedded_redis.url, 3, test_failover._scenario,
+                   GEOSWARM_WORKER_DEAD_AFTER_S="2", GEOSWARM_BALANCE_PERIOD_S="3600",
+                   **OUTBOX)
+
+
+@pytest.mark.slow
+def test_redis_sigkill_mid_burst_every_answer_is_exact(
+        tmp_path: Path, own_redis: tuple[Settings, list[EmbeddedRedis]]) -> None:  # noqa: F811
+    settings, servers = own_redis
+    run_on_cluster(tmp_path / "cluster", servers[0].url, 2,
+                   lambda server: test_redis_faults._killed_mid_burst(server, settings, servers),
+                   **OUTBOX)
+
+
+def test_replies_lost_after_commit_and_relay_apply_once(tmp_path: Path,
+                                                        embedded_redis: EmbeddedRedis) -> None:
+    """Every 5th transaction or script call (commits, relays, publishes) is applied and its
+    reply cut, and sent again by nobody: the worker must finish from its outbox."""
+    port = int(embedded_redis.url.rsplit(":", 1)[1].split("/", 1)[0])
+    proxy = CuttingProxy(port, every=5, most=25, outage_s=0.0, only=None)
+    try:
+        run_on_cluster(tmp_path, f"redis://127.0.0.1:{proxy.port}/0", 2,
+                       lambda server: test_redis_faults._lost_replies(server, proxy), **OUTBOX)
+    finally:
+        proxy.close()
