@@ -64,43 +64,98 @@ from workers.subs import LocalSubs
 
 log = logging.getLogger(__name__)
 
-# One call appends a batch's history entries for one tenant: KEYS[1] is the tenant's hash of
-# last ids (`names.history_last_key`), KEYS[2..] the history streams; ARGV = bucket, tenant,
-# maxlen, ttl, max age (ms), housekeeping period (ms), then one packed reference list per
-# stream. Each entry records the id of the entry before it (`p`, from the hash: one HMGET and
-# one HSET per call, not a read and a write per stream), so a reader can tell a trimmed entry
-# from none; `append_history` (app.pipeline.histories) trims and renews the streams. Returns,
-# per stream, that previous id and the new id, so hubs can push the entry directly to a client
-# whose cursor is exactly at the previous entry.
+# One call appends a batch's history entries for one tenant: KEYS = the m hashes of last ids
+# of the streams' history groups (`names.history_last_key`), then the n history streams;
+# ARGV = bucket, tenant, maxlen, ttl, max age (ms), housekeeping period (ms), m, then for each
+# stream the position of its hash among the m, then one packed reference list per stream
+# (`history_call` builds them). Each entry records the id of the entry before it (`p`, from
+# the hashes: one HMGET and one HSET per hash and call, not a read and a write per stream), so
+# a reader can tell a trimmed entry from none; `append_history` (app.pipeline.histories) trims
+# and renews the streams. Returns, per stream, that previous id and the new id, so hubs can
+# push the entry directly to a client whose cursor is exactly at the previous entry.
 HISTORY_SCRIPT = APPEND_HISTORY_LUA + """
-local n = #KEYS - 1
-local out = {}
+local m = tonumber(ARGV[7])
+local n = #KEYS - m
 local bucket, tenant, maxlen, ttl = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 local max_age, period = ARGV[5], ARGV[6]
-local lasts = redis.call('HMGET', KEYS[1], unpack(KEYS, 2))
-local set = {}
+local of = {}  -- the streams of each hash
+for j = 1, m do of[j] = {} end
 for i = 1, n do
-  local stream = KEYS[i + 1]
+  local t = of[tonumber(ARGV[7 + i])]
+  t[#t + 1] = i
+end
+local lasts = {}
+for j = 1, m do
+  local fields = {}
+  for k, i in ipairs(of[j]) do fields[k] = KEYS[m + i] end
+  if #fields > 0 then
+    local got = redis.call('HMGET', KEYS[j], unpack(fields))
+    for k, i in ipairs(of[j]) do lasts[i] = got[k] end
+  end
+end
+local out = {}
+local set = {}
+for j = 1, m do set[j] = {} end
+for i = 1, n do
+  local stream = KEYS[m + i]
   local prev = lasts[i]
   if not prev then  -- a new subscription (or one written before the hash existed)
     local tail = redis.call('XREVRANGE', stream, '+', '-', 'COUNT', 1)
     prev = (tail[1] and tail[1][1]) or '0-0'
   end
   local id = append_history(stream, prev, maxlen, max_age, ttl, period, 'b', bucket,
-                            't', tenant, 'p', prev, 'm', ARGV[6 + i])
-  set[#set + 1] = stream
-  set[#set + 1] = id
-  if #set >= 2000 then
-    redis.call('HSET', KEYS[1], unpack(set))
-    set = {}
+                            't', tenant, 'p', prev, 'm', ARGV[7 + n + i])
+  local j = tonumber(ARGV[7 + i])
+  local s = set[j]
+  s[#s + 1] = stream
+  s[#s + 1] = id
+  if #s >= 2000 then
+    redis.call('HSET', KEYS[j], unpack(s))
+    set[j] = {}
   end
   out[2 * i - 1] = prev
   out[2 * i] = id
 end
-if #set > 0 then redis.call('HSET', KEYS[1], unpack(set)) end
+for j = 1, m do
+  if #set[j] > 0 then redis.call('HSET', KEYS[j], unpack(set[j])) end
+end
 return out
 """
+
+
 HISTORY_CHUNK = 4096  # history entries per script call (bounds the time Redis is busy)
+
+
+def history_call(sub_ids: list[str], refs: list[bytes]) -> tuple[list[str], list[Any]]:
+    """HISTORY_SCRIPT's keys, and its arguments from m on, for these subscriptions' entries."""
+    hashes: dict[str, int] = {}
+    at = []
+    for sid in sub_ids:
+        at.append(hashes.setdefault(names.history_last_key(sid), len(hashes) + 1))
+    return ([*hashes, *map(names.history_key, sub_ids)], [len(hashes), *at, *refs])
+
+
+def history_chunks(sub_ids: list[str], one_slot: bool) -> list[tuple[int, int]]:
+    """The [start, end) ranges of one script call each: at most HISTORY_CHUNK entries, and,
+    when `one_slot` (a Redis Cluster, where a script's keys share a hash slot), of one history
+    group (the entries sorted by group first: `by_history_group`)."""
+    out = []
+    a = 0
+    while a < len(sub_ids):
+        b = min(len(sub_ids), a + HISTORY_CHUNK)
+        if one_slot:
+            tag = names.history_tag(sub_ids[a])
+            b = next((i for i in range(a + 1, b) if names.history_tag(sub_ids[i]) != tag), b)
+        out.append((a, b))
+        a = b
+    return out
+
+
+def by_history_group(sub_ids: list[str], refs: list[bytes]) -> tuple[list[str], list[bytes]]:
+    order = sorted(range(len(sub_ids)), key=lambda i: names.history_tag(sub_ids[i]))
+    return [sub_ids[i] for i in order], [refs[i] for i in order]
+
+
 # How often the per-cell counts are written when they changed. Each write is a whole bucket's
 # counts (tens of kB under load): every 50 ms they were half of what Redis appended to its AOF
 # in the kNN benchmark. A count query does not wait for them: the worker writes its counts
@@ -344,7 +399,7 @@ class Executor:
         assert self.index is not None
         me = self.index.workers.index(self.id) if self.id in self.index.workers else -1
         for key in self.redis.scan_iter(match=names.POSITIONS_PREFIX + "*", count=1000):
-            tenant = key.decode()[len(names.POSITIONS_PREFIX):]
+            tenant = names.tenant_of_positions_key(key.decode())
             ids, lons, lats, rest = [], [], [], []
             for oid, raw in self.redis.hscan_iter(key, count=1000):
                 ts, lon, lat, kws, _props = records.unpack_position(raw)
@@ -750,20 +805,25 @@ class Executor:
         ttl = int(self.settings.history_max_age_s) + 60
         max_age_ms = int(self.settings.history_max_age_s * 1000)
         housekeeping_ms = history_housekeeping_ms(self.settings.history_max_age_s)
+        one_slot = self.relayer is not None
+        if one_slot:
+            writes = [(t, b, *by_history_group(sub_ids, refs), stored)
+                      for t, b, sub_ids, refs, stored in writes]
+        chunks = []
         for tenant, bucket, sub_ids, refs, _records in writes:
-            for a in range(0, len(sub_ids), HISTORY_CHUNK):
+            chunks.append(history_chunks(sub_ids, one_slot))
+            for a, b in chunks[-1]:
                 slots.append(len(pipe.command_stack))
-                keys = [names.history_last_key(tenant),
-                        *map(names.history_key, sub_ids[a:a + HISTORY_CHUNK])]
+                keys, args = history_call(sub_ids[a:b], refs[a:b])
                 run_script(pipe, self._history, keys,
                            [bucket, tenant, self.settings.history_max_len, ttl,
-                            max_age_ms, housekeeping_ms, *refs[a:a + HISTORY_CHUNK]])
+                            max_age_ms, housekeeping_ms, *args])
         writing = time.perf_counter()
         results = pipe.execute()
         self.hops.observe("write", time.perf_counter() - writing, objects)
         self.knnreg.settle(pipe, results)
         self._keep_records()
-        self.notify(writes, [results[i] for i in slots], notify, sent_at)
+        self.notify(writes, chunks, [results[i] for i in slots], notify, sent_at)
         last = max(ids, key=cluster.entry_order) if ids else None
         if last is not None and (self.processed_id is None or cluster.entry_order(last)
                                  > cluster.entry_order(self.processed_id)):
@@ -842,21 +902,22 @@ class Executor:
         return (adoption.archiver if adoption is not None else self.archiver).dropped
 
     def notify(self, writes: list[tuple[str, int, list[str], list[bytes], dict[str, bytes]]],
-               replies: list[list[bytes]], notify: dict[str, set[str]],
-               sent_at: float = 0.0) -> None:
+               chunks: list[list[tuple[int, int]]], replies: list[list[bytes] | None],
+               notify: dict[str, set[str]], sent_at: float = 0.0) -> None:
         """Tell the hubs what was appended: the entries with their previous ids and the
         records they reference, so caught-up clients get them without a read (`sent_at`: when
-        the oldest batch of the step was appended, for the hubs' hops)."""
+        the oldest batch of the step was appended, for the hubs' hops). `chunks`: the script
+        calls of each write (`history_chunks`), `replies` theirs."""
         written_at = time.time()
         pipe = self.redis.pipeline(transaction=False)
         it = iter(replies)
-        for tenant, bucket, sub_ids, refs, stored in writes:
+        for (tenant, bucket, sub_ids, refs, stored), calls in zip(writes, chunks, strict=True):
             entries = []
-            for a in range(0, len(sub_ids), HISTORY_CHUNK):
+            for a, b in calls:
                 reply = next(it)
                 if reply is None:  # relayed by another (`workers.outbox`): hubs read it
                     continue
-                for j, sid in enumerate(sub_ids[a:a + HISTORY_CHUNK]):
+                for j, sid in enumerate(sub_ids[a:b]):
                     entries.append((sid, reply[2 * j].decode(), reply[2 * j + 1].decode(),
                                     refs[a + j]))
             pipe.publish(names.NOTIFY_CHANNEL, wire.encode_notification(wire.HistoryAppended(
@@ -955,7 +1016,7 @@ class Executor:
         """Deleted or expired subscriptions. Their history keys go too (the api deleted them
         already; this worker may have written to them since, from entries before this one)."""
         now = time.time()
-        held = [(sid, self.sub_msgs[sid].tenant) for sid in ids if sid in self.sub_msgs]
+        held = [sid for sid in ids if sid in self.sub_msgs]
         self._drop_pending_history(set(ids))
         for sid in ids:
             self.tombstones[sid] = now
@@ -963,9 +1024,9 @@ class Executor:
             self.ledger.remove_query(sid)
         if held:
             pipe = self.redis.pipeline(transaction=False)
-            pipe.delete(*[names.history_key(sid) for sid, _ in held])
-            for sid, tenant in held:
-                pipe.hdel(names.history_last_key(tenant), names.history_key(sid))
+            pipe.delete(*[names.history_key(sid) for sid in held])
+            for sid in held:
+                pipe.hdel(names.history_last_key(sid), names.history_key(sid))
             pipe.execute()
         for state in self.knn.values():
             for sid in ids:

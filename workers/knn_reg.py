@@ -26,7 +26,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-STREAM_PREFIX = names.worker_stream("")
 
 
 class KnnRegistry:
@@ -58,7 +57,6 @@ class KnnRegistry:
         ex = self.ex
         direct = not hasattr(pipe, "command_stack")
         max_len, ttl, max_age_ms, period_ms = self._history_args
-        last_key = names.history_last_key(tenant)
         for sub in subs:
             members = sub.keys  # (kind, id) of each, in order
             if not (force or clear) and sub.sole and not _merge_could_change(sub, members):
@@ -70,9 +68,10 @@ class KnnRegistry:
                                                         epoch=sub.epoch))
             at = -1 if direct else len(pipe.command_stack)
             out = run_script(pipe, self._merge,
-                             [names.knn_key(sub.id), names.history_key(sub.id), last_key],
+                             [names.knn_key(sub.id), names.history_key(sub.id),
+                              names.history_last_key(sub.id)],
                              [ex.id, sub.epoch, local, sub.k, max_len, ttl, tenant, max_age_ms,
-                              period_ms, STREAM_PREFIX, refresh, *clear])
+                              period_ms, knnreg.STREAM_TEMPLATE, refresh, *clear])
             self.reports += 1
             if direct:
                 self._answer(tenant, sub, sub.epoch, out)
@@ -173,7 +172,7 @@ class KnnRegistry:
         retract = wire.encode_entry(wire.KnnRetract(ids=[sub.id], epoch=epoch + 1))
         done = self._resize(keys=[names.knn_key(sub.id)],
                             args=[epoch, knnreg.stored_radius(radius), reg, retract,
-                                  STREAM_PREFIX, *sorted(workers)])
+                                  knnreg.STREAM_TEMPLATE, *sorted(workers)])
         if done:
             self.resizes["grow" if grow else "shrink"] += 1
             log.debug("worker %s: kNN %s radius %.0f -> %.0f m on %s", ex.id, sub.id,

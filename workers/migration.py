@@ -305,7 +305,7 @@ class Migration:
                 ex.knnreg.settle(pipe, pipe.execute())
             finally:
                 ex.knnreg.forget(pipe)
-            ex.notify([], [], notify)
+            ex.notify([], [], [], notify)
         log.info("worker %s published plan %d: gave %s in %.0f ms", ex.id, new_plan.version,
                  {w: [p.id for p in ps] for w, ps in by_worker.items()},
                  (time.perf_counter() - started) * 1000)

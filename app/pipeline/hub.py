@@ -252,7 +252,7 @@ async def resume_positions(redis: aioredis.Redis, tenant: str, cursors: dict[str
     pipe = redis.pipeline(transaction=False)
     for sub in subs:
         pipe.xrange(names.history_key(sub), min=entry_start(cursors[sub]), count=2)
-        pipe.hget(names.history_last_key(tenant), names.history_key(sub))
+        pipe.hget(names.history_last_key(sub), names.history_key(sub))
     replies = await pipe.execute()
     out: dict[str, tuple[Position, bool]] = {}
     for n, sub in enumerate(subs):
@@ -536,8 +536,10 @@ class Hub:
         subs = await run_in_threadpool(ids)
         for i in range(0, len(subs), 1000):
             chunk = subs[i:i + 1000]
-            lasts = await self.redis.hmget(names.history_last_key(tenant),
-                                           [names.history_key(sub) for sub in chunk])
+            pipe = self.redis.pipeline(transaction=False)
+            for sub in chunk:  # each in its history group's hash
+                pipe.hget(names.history_last_key(sub), names.history_key(sub))
+            lasts = await pipe.execute()
             written = [sub for sub, last in zip(chunk, lasts, strict=True) if last is not None]
             for conn in list(self.all_by_tenant.get(tenant, ())):
                 start = conn.listen_all_from

@@ -52,18 +52,27 @@ GROW = 4.0  # a registration with fewer than k grows its radius this many times
 SHRINK_AT = 4.0  # ...and shrinks to 2 x the k-th once the k-th is this far inside it
 PENDING, HOLD = "_p:", "_h:"
 
-# KEYS[1] = gs:knn:<sub>, KEYS[2] = history stream, KEYS[3] = the tenant's hash of last ids
+# A worker's stream in a script: `STREAM_TEMPLATE` with the worker's id in place of its '@'.
+STREAM_TEMPLATE = names.worker_stream("@")
+STREAM_OF_LUA = """
+local function stream_of(template, worker)
+  local at = string.find(template, '@', 1, true)
+  return string.sub(template, 1, at - 1) .. worker .. string.sub(template, at + 1)
+end
+"""
+
+# KEYS[1] = gs:knn:<sub>, KEYS[2] = history stream, KEYS[3] = the history group's hash of last ids
 # (field: the stream; see HISTORY_SCRIPT). ARGV[1] = worker, ARGV[2] = its epoch, ARGV[3] =
 # its local list JSON [[distance, id, lon, lat, kind]], ARGV[4] = k, ARGV[5] = maxlen,
 # ARGV[6] = ttl, ARGV[7] = tenant, ARGV[8] = the history's max age (ms), ARGV[9] = its
-# housekeeping period (ms; see `append_history`), ARGV[10] = the worker stream prefix,
+# housekeeping period (ms; see `append_history`), ARGV[10] = `STREAM_TEMPLATE`,
 # ARGV[11] = the packed `wire.KnnRefresh` of this subscription and epoch (sent to a sole
 # holder that must report again), ARGV[12..] = tokens this report clears.
 # Returns {status, kth, sole}: status 1 = a new list was pushed, 0 = nothing changed or
 # waiting, -1 = the report's epoch is stale, 2 = fewer than k within the radius (grow), 3 =
 # the k-th is far inside the radius (shrink); kth as a string; sole 1 when the reporter is
 # now the only holder (`_l:`).
-MERGE_SCRIPT = APPEND_HISTORY_LUA + """
+MERGE_SCRIPT = APPEND_HISTORY_LUA + STREAM_OF_LUA + """
 local e = redis.call('HGET', KEYS[1], '_e')
 if not e then return {0, '', 0} end
 for i = 12, #ARGV do redis.call('HDEL', KEYS[1], ARGV[i]) end
@@ -90,7 +99,7 @@ for i = 1, #fields, 2 do
       local w = string.sub(f, 4)
       redis.call('HDEL', KEYS[1], f)
       redis.call('HSET', KEYS[1], '_p:' .. w, e)
-      redis.call('XADD', ARGV[10] .. w, '*', 'm', ARGV[11])
+      redis.call('XADD', stream_of(ARGV[10], w), '*', 'm', ARGV[11])
       waiting, alone = true, false
     end
   else
@@ -145,11 +154,11 @@ return {1, kth, sole}
 
 # A resize: KEYS[1] = gs:knn:<sub>. ARGV[1] = the epoch it was decided on, ARGV[2] = the new
 # radius, ARGV[3] = the registration (a packed SubsAdded of the next epoch), ARGV[4] = the
-# retraction (a packed KnnRetract), ARGV[5] = the worker stream prefix, ARGV[6..] = the
+# retraction (a packed KnnRetract), ARGV[5] = `STREAM_TEMPLATE`, ARGV[6..] = the
 # workers of the new registration. Every worker that held the old one and is not among them
 # (a list, a pending token) gets the retraction; tokens of the old epoch go. 1 when applied,
 # 0 when the epoch moved on meanwhile (or the subscription is gone).
-RESIZE_SCRIPT = """
+RESIZE_SCRIPT = STREAM_OF_LUA + """
 local e = redis.call('HGET', KEYS[1], '_e')
 if not e or e ~= ARGV[1] then return 0 end
 local ne = tostring(tonumber(e) + 1)
@@ -175,10 +184,10 @@ end
 redis.call('HSET', KEYS[1], '_e', ne, '_r', ARGV[2])
 for i = 6, #ARGV do
   redis.call('HSET', KEYS[1], '_p:' .. ARGV[i], ne)
-  redis.call('XADD', ARGV[5] .. ARGV[i], '*', 'm', ARGV[3])
+  redis.call('XADD', stream_of(ARGV[5], ARGV[i]), '*', 'm', ARGV[3])
 end
 for w, _ in pairs(holders) do
-  if not targets[w] then redis.call('XADD', ARGV[5] .. w, '*', 'm', ARGV[4]) end
+  if not targets[w] then redis.call('XADD', stream_of(ARGV[5], w), '*', 'm', ARGV[4]) end
 end
 return 1
 """

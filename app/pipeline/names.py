@@ -2,21 +2,46 @@
 
 Everything geoswarm writes to Redis starts with "gs:". The messages on these streams and
 channels are the typed classes of `app.pipeline.wire`.
+
+Keys that one script or transaction touches together carry one hash tag (the part in
+braces), so that on a Redis Cluster they live in one hash slot: `{gs}` for the cluster's
+control (plan, coordinator), `{<worker>}` for a worker's streams and what it commits with
+them, `{t:<tenant>}` for a tenant's positions and publishes, and `{h<n>}` for a group of
+subscriptions' histories and kNN hashes (`history_tag`).
 """
 
 from __future__ import annotations
+
+import zlib
+
+CONTROL = "{gs}"
+HISTORY_GROUPS = 256  # the hash slots subscriptions' histories are spread over
+
+
+def worker_tag(worker: str) -> str:
+    return "{" + worker + "}"
+
+
+def tenant_tag(tenant: str) -> str:
+    return "{t:" + tenant + "}"
+
+
+def history_tag(sub_id: str) -> str:
+    """The hash tag of a subscription's history, its kNN hash and its last-id field."""
+    return "{h" + str(zlib.crc32(sub_id.encode()) % HISTORY_GROUPS) + "}"
 
 GROUP = "exec"  # the consumer group of every worker stream and command stream
 
 # The partition plan (SWARM §4.1): the current one, its versions (SSTD's versioned mapping,
 # SWARM §5.2's partition chains) and the channel announcing a new version.
-PLAN_KEY = "gs:plan"
+PLAN_KEY = "gs:plan:" + CONTROL
 PLAN_CHANNEL = "gs:plan:changed"
-PLAN_HISTORY = "gs:plan:history"  # list of JSON {"version", "valid_from", "plan"}
+PLAN_HISTORY = "gs:plan:history:" + CONTROL  # list of JSON {"version", "valid_from", "plan"}
 PLAN_HISTORY_MAX = 1000
-PART_SEQ = "gs:partition:seq"  # counter for new partition ids "p<n>"
+PART_SEQ = "gs:partition:seq:" + CONTROL  # counter for new partition ids "p<n>"
 
-WORKERS_KEY = "gs:workers"  # hash worker id -> JSON heartbeat {pid, host, heartbeat, ...}
+# hash worker id -> JSON heartbeat {pid, host, heartbeat, ...}
+WORKERS_KEY = "gs:workers:" + CONTROL
 DEAD_LETTER = "gs:dead"  # stream of entries delivered too often
 DEAD_LETTER_COUNT = "gs:metrics:dead_letter"
 DEAD_LETTER_REPLAY_TTL_S = 24 * 3600
@@ -37,56 +62,61 @@ KEYS_TOKEN = "gs:keys:token"
 SUBS_CHANNEL = "gs:subs"  # wire.SubsGone: deleted / expired subscriptions
 
 # SWARM's coordinator (§4.3.1).
-LEASE_KEY = "gs:coord:lease"  # the leader coordinator's id, with an expiry
-REQUESTS_KEY = "gs:coord:requests"  # list: admin requests for the coordinator (JSON)
-BALANCER_CONFIG = "gs:balancer:config"  # JSON {"enabled", "period_s", "beta"}
-BALANCER_STATE = "gs:balancer:state"  # JSON: decision pointer, last round, costs
-STATS_KEY = "gs:stats"  # hash worker -> its latest load report (JSON)
-ROUND_SEQ = "gs:balancer:round"  # counter of rounds (automatic and manual)
+LEASE_KEY = "gs:coord:lease:" + CONTROL  # the leader coordinator's id, with an expiry
+REQUESTS_KEY = "gs:coord:requests:" + CONTROL  # list: admin requests for the coordinator (JSON)
+BALANCER_CONFIG = "gs:balancer:config:" + CONTROL  # JSON {"enabled", "period_s", "beta"}
+BALANCER_STATE = "gs:balancer:state:" + CONTROL  # JSON: decision pointer, last round, costs
+STATS_KEY = "gs:stats:" + CONTROL  # hash worker -> its latest load report (JSON)
+ROUND_SEQ = "gs:balancer:round:" + CONTROL  # counter of rounds (automatic and manual)
 
 EXPIRY_LOCK = "gs:lock:expiry"  # one api process at a time expires subscriptions
 POSITIONS_PREFIX = "gs:pos:"
+WORKER_STREAM_PREFIX = "gs:w:"
 
 
 def worker_stream(worker: str) -> str:
     """The stream a worker consumes: wire.WorkerEntry messages in field `m`."""
-    return f"gs:w:{worker}"
+    return WORKER_STREAM_PREFIX + worker_tag(worker)
 
 
 def outbox_stream(worker: str) -> str:
     """The commits of a worker stream's consumer waiting to be relayed to other hash slots
     (`workers.outbox`; used on a Redis Cluster)."""
-    return f"gs:out:{worker}"
+    return "gs:out:" + worker_tag(worker)
 
 
 def command_stream(worker: str) -> str:
     """The stream of the coordinator's wire.Command messages to one worker."""
-    return f"gs:cmd:{worker}"
+    return "gs:cmd:" + worker_tag(worker)
 
 
 def query_stream(worker: str) -> str:
     """The stream of snapshot query parts sent straight to one worker (`wire.QueryPart` in
     field `m`; the worker answers once a read of its worker stream reached that stream's
     end)."""
-    return f"gs:wq:{worker}"
+    return "gs:wq:" + worker_tag(worker)
 
 
 def history_key(sub_id: str) -> str:
     """A subscription's history of matches (entries of record references, or kNN lists)."""
-    return f"gs:h:{sub_id}"
+    return "gs:h:" + history_tag(sub_id) + ":" + sub_id
 
 
-def history_last_key(tenant: str) -> str:
-    """A tenant's hash of the id of the last history entry ever written for each of its
-    subscriptions (field: the subscription's `history_key`). It outlives the history streams
+def history_last_key(sub_id: str) -> str:
+    """The hash of the id of the last history entry ever written for each subscription of a
+    history group (field: the subscription's `history_key`). It outlives the history streams
     (which expire when quiet) so that a resume can tell a quiet subscription from one whose
     unread entries were trimmed; a subscription's field goes with it."""
-    return f"gs:hlast:{tenant}"
+    return "gs:hlast:" + history_tag(sub_id)
 
 
 def positions_key(tenant: str) -> str:
     """Hash: moving object id -> its latest record (last writer wins, CheetahGIS)."""
-    return f"{POSITIONS_PREFIX}{tenant}"
+    return POSITIONS_PREFIX + tenant_tag(tenant)
+
+
+def tenant_of_positions_key(key: str) -> str:
+    return key[len(POSITIONS_PREFIX) + len("{t:"):-1]
 
 
 def ws_slots_key(tenant: str) -> str:
@@ -108,12 +138,12 @@ def records_key(tenant: str, bucket: int) -> str:
 
 def done_key(worker: str, entry_id: str) -> str:
     """Marks a worker stream entry whose matches are written (replays skip it)."""
-    return f"gs:done:{worker}:{entry_id}"
+    return "gs:done:" + worker_tag(worker) + ":" + entry_id
 
 
 def knn_key(sub_id: str) -> str:
     """Hash: worker -> its local top k of a kNN subscription, and the merged list."""
-    return f"gs:knn:{sub_id}"
+    return "gs:knn:" + history_tag(sub_id) + ":" + sub_id
 
 
 def report_key(round_no: int) -> str:
@@ -135,7 +165,7 @@ def publish_guard_key(token: str) -> str:
 
 def object_expiry_key(tenant: str) -> str:
     """Sorted set: moving object id -> when it leaves the latest-position store (its TTL)."""
-    return f"gs:posexp:{tenant}"
+    return "gs:posexp:" + tenant_tag(tenant)
 
 
 OBJECT_EXPIRY_TENANTS = "gs:posexp:tenants"  # set: tenants whose moving objects can expire
@@ -145,19 +175,19 @@ def events_key(tenant: str) -> str:
     """Present while a worker may hold an event of the tenant (a record without an id, kept
     for the live window where it was stored): renewed by every publish holding one, it
     expires a window after the last. Without it, kNN registrations need no previous owner."""
-    return f"gs:events:{tenant}"
+    return "gs:events:" + tenant_tag(tenant)
 
 
 def keyword_summaries_key(worker: str) -> str:
     """Hash: tenant -> the worker's `wire.KeywordSummary` of that tenant's subscriptions, read
     by the routers to mark the rows that cannot match there (Tornado §4)."""
-    return f"gs:ksum:{worker}"
+    return "gs:ksum:" + worker_tag(worker)
 
 
 def window_stream(worker: str) -> str:
     """The records a worker holds in its live window (`wire.ObjectBatch` in field `m`, with
     their arrival time): what it rebuilds its window from after a restart. Trimmed by age."""
-    return f"gs:win:{worker}"
+    return "gs:win:" + worker_tag(worker)
 
 
 def cell_counts_key(worker: str) -> str:
@@ -166,7 +196,7 @@ def cell_counts_key(worker: str) -> str:
     they count every record. The api answers the whole cells of a count query from them.
     Each counts field has a version field (`cell_counts_version_field`), written with it: the
     api re-reads only the counts whose version changed."""
-    return f"gs:cells:{worker}"
+    return "gs:cells:" + worker_tag(worker)
 
 
 def cell_counts_version_field(field: str) -> str:
@@ -226,14 +256,14 @@ def fence_key(worker: str) -> str:
     """Integer epoch of whoever consumes a worker's stream: the worker takes it (INCR) when it
     starts, a failover takes it from a dead worker. Every transaction of a consumer WATCHes
     it, so a worker declared dead that wakes up cannot commit anything (workers.failover)."""
-    return f"gs:fence:{worker}"
+    return "gs:fence:" + worker_tag(worker)
 
 
 def adopter_key(worker: str) -> str:
     """The live worker that processes a dead worker's stream until it returns."""
-    return f"gs:adopt:{worker}"
+    return "gs:adopt:" + worker_tag(worker)
 
 
 def adopted_key(worker: str) -> str:
     """Set: the dead workers whose streams `worker` processes."""
-    return f"gs:adopted:{worker}"
+    return "gs:adopted:" + worker_tag(worker)

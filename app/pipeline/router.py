@@ -581,7 +581,7 @@ class Router:
         # its last entry go too.
         for r in rows:
             pipe.delete(names.history_key(r.id), names.knn_key(r.id))
-            pipe.hdel(names.history_last_key(r.tenant), names.history_key(r.id))
+            pipe.hdel(names.history_last_key(r.id), names.history_key(r.id))
         await pipe.execute()
         ids = [r.id for r in rows]
         gone = wire.SubsGone(expired=ids) if reason == "expired" else wire.SubsGone(deleted=ids)

@@ -14,7 +14,13 @@ import redis
 
 from app.pipeline import knnreg, names
 from app.pipeline.histories import history_housekeeping_ms
-from workers.executor import HISTORY_SCRIPT
+from workers.executor import (
+    HISTORY_CHUNK,
+    HISTORY_SCRIPT,
+    by_history_group,
+    history_call,
+    history_chunks,
+)
 
 AGE_MS = 1000  # far above the time the appends take, even on a loaded machine
 
@@ -22,13 +28,13 @@ AGE_MS = 1000  # far above the time the appends take, even on a loaded machine
 def test_match_histories_lose_their_old_entries_as_they_grow(redis_db: str) -> None:
     store = redis.Redis.from_url(redis_db)
     script = store.register_script(HISTORY_SCRIPT)
-    keys = [names.history_last_key("t"), names.history_key("s1")]
+    keys, args = history_call(["s1"], [b"refs"])
 
     def append(n: int) -> None:
         pipe = store.pipeline(transaction=False)  # one round trip: well within AGE_MS
         for _ in range(n):
             script(keys=keys, args=[7, "t", 10_000, 3600, AGE_MS,
-                                    history_housekeeping_ms(AGE_MS / 1000), b"refs"],
+                                    history_housekeeping_ms(AGE_MS / 1000), *args],
                    client=pipe)
         pipe.execute()
 
@@ -48,14 +54,14 @@ def test_knn_histories_lose_their_old_entries_as_they_grow(redis_db: str) -> Non
     merge = store.register_script(knnreg.MERGE_SCRIPT)
     sid = "k1"
     store.hset(names.knn_key(sid), mapping={"_e": "1", "_r": "-1"})
-    keys = [names.knn_key(sid), names.history_key(sid), names.history_last_key("t")]
+    keys = [names.knn_key(sid), names.history_key(sid), names.history_last_key(sid)]
 
     def report(i: int) -> bool:
         """Whether a new list was pushed (1; 3: pushed, and the radius could shrink)."""
         local = orjson.dumps([[float(i), f"o{i}", 0.0, 0.0, 0]])
         status, _, _ = merge(keys=keys, args=["w0", 1, local, 1, 10_000, 3600, "t", AGE_MS,
                                               history_housekeeping_ms(AGE_MS / 1000),
-                                              names.worker_stream(""), b"refresh"])
+                                              knnreg.STREAM_TEMPLATE, b"refresh"])
         return int(status) in (1, 3)
 
     assert all(report(i) for i in range(300))  # each a new list
@@ -72,9 +78,8 @@ def _history_appender(store: redis.Redis, tenant: str, period_ms: int = 10_000,
     script = store.register_script(HISTORY_SCRIPT)
 
     def append(subs: list[str]) -> list[str]:
-        keys = [names.history_last_key(tenant), *map(names.history_key, subs)]
-        out = script(keys=keys, args=[7, tenant, 10_000, ttl_s, 60_000, period_ms,
-                                      *([b"refs"] * len(subs))])
+        keys, args = history_call(subs, [b"refs"] * len(subs))
+        out = script(keys=keys, args=[7, tenant, 10_000, ttl_s, 60_000, period_ms, *args])
         return [x.decode() for x in out]
 
     return append
@@ -92,7 +97,7 @@ def test_each_entry_names_the_one_before_it_across_calls_and_subscriptions(
         (got_id, fields), = store.xrange(names.history_key(sub), min=eid, max=eid)
         assert fields[b"p"].decode() == prev
     # the hash holds each stream's last id, and outlives the stream
-    assert store.hget(names.history_last_key("t"), names.history_key("a")).decode() \
+    assert store.hget(names.history_last_key("a"), names.history_key("a")).decode() \
         == second[3]
     store.delete(names.history_key("a"))  # as when a quiet history expires
     third = append(["a"])
@@ -116,3 +121,19 @@ def test_a_stream_appended_to_keeps_its_expiry_renewed(redis_db: str) -> None:
     time.sleep(0.25)  # the next append is in a later period
     append(["s"])
     assert store.ttl(names.history_key("s")) > 3500
+
+
+def test_one_slot_calls_hold_one_history_group_each() -> None:
+    """On a Redis Cluster a script's keys share a slot: each call's subscriptions are of one
+    history group (after sorting by group), and no call holds more than HISTORY_CHUNK."""
+    subs = [f"s{i}" for i in range(3000)] + ["x"] * 5000
+    refs = [b"r"] * len(subs)
+    sorted_subs, _ = by_history_group(subs, refs)
+    calls = history_chunks(sorted_subs, one_slot=True)
+    assert calls[0][0] == 0 and calls[-1][1] == len(subs)
+    assert all(a < b <= a + HISTORY_CHUNK for a, b in calls)
+    for a, b in calls:
+        keys, args = history_call(sorted_subs[a:b], refs[a:b])
+        assert args[0] == 1  # one hash of last ids
+        assert len({names.history_tag(s) for s in sorted_subs[a:b]}) == 1
+    assert len(history_chunks(subs, one_slot=False)) == 2  # one server: by size alone

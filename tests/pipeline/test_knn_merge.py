@@ -28,10 +28,10 @@ class Merge:
         """(status, sole) of a worker's report of its list [(distance, id)]."""
         refresh = wire.encode_entry(wire.KnnRefresh(tenant=TENANT, ids=[SUB], epoch=epoch))
         out: list[Any] = self.script(
-            keys=[self.key, names.history_key(SUB), names.history_last_key(TENANT)],
+            keys=[self.key, names.history_key(SUB), names.history_last_key(SUB)],
             args=[worker, epoch, orjson.dumps([[d, i, 0.0, 0.0, 0] for d, i in local]), k,
                   1000, 3600, TENANT, 60_000, history_housekeeping_ms(60),
-                  names.worker_stream(""), refresh])
+                  knnreg.STREAM_TEMPLATE, refresh])
         return int(out[0]), int(out[2])
 
     def pushed(self) -> list[list[str]]:
@@ -89,7 +89,7 @@ def test_a_stale_epoch_is_refused_and_a_resize_forgets_sole_holders(redis_db: st
     assert m.report("w0", 2, [(10.0, "a"), (20.0, "b")]) == (1, 1)
     resize = m.store.register_script(knnreg.RESIZE_SCRIPT)
     reg = wire.encode_entry(wire.KnnRetract(ids=[SUB], epoch=3))
-    assert resize(keys=[m.key], args=[2, "5000.0", reg, reg, names.worker_stream(""),
+    assert resize(keys=[m.key], args=[2, "5000.0", reg, reg, knnreg.STREAM_TEMPLATE,
                                       "w0", "w1"]) == 1
     assert m.field("_l:w0") is None and m.field("_e") == "3"
     # a report of the old epoch after the resize changes nothing

@@ -400,7 +400,7 @@ _ENTRY_ID = re.compile(r"[0-9]{1,19}-[0-9]{1,19}")
 _OWN_FIELDS = (b"stream", b"id", b"why")
 # Replayed only to a worker's stream (a dead letter names its stream itself; workers never
 # dead-letter commands, which would be stale anyway).
-_WORKER_STREAMS = names.worker_stream("")
+_WORKER_STREAMS = names.WORKER_STREAM_PREFIX
 
 # KEYS[1] the dead-letter stream, KEYS[2] the stream the entry came from, KEYS[3] the replay's
 # outcome (names.dead_letter_replayed_key); ARGV[1] the dead letter's id, ARGV[2] how long the
