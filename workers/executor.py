@@ -34,6 +34,7 @@ from app.pipeline.control import PLAN_CAS_SCRIPT
 from app.pipeline.histories import APPEND_HISTORY_LUA, history_housekeeping_ms
 from app.pipeline.hops import HopTimes
 from app.pipeline.knnreg import DROP_WORKER_SCRIPT, MERGE_SCRIPT
+from app.pipeline.outbox import Relayer
 from app.pipeline.records import public_record
 from app.pipeline.router import (
     grid_of,
@@ -57,7 +58,7 @@ from workers.knn import KnnState, KnnSub
 from workers.knn_reg import KnnRegistry
 from workers.ledger import SwarmLedger, rect_of
 from workers.migration import CommandRefused, Migration
-from workers.outbox import OutboxPipe, Relayer, relay_outbox
+from workers.outbox import OutboxPipe, relay_outbox
 from workers.records import RecordWindow, TenantRecords, records_of
 from workers.snapshot import evaluate
 from workers.subs import LocalSubs

@@ -8,6 +8,7 @@ import asyncio
 import logging
 import secrets
 import time
+from typing import Any
 
 import redis.asyncio as aioredis
 import redis.exceptions
@@ -18,6 +19,7 @@ from app.core.metrics import SUBSCRIPTIONS_DELETED
 from app.core.state import AppState
 from app.models import Subscription
 from app.pipeline import names
+from app.pipeline.outbox import ENCODE_OPS_LUA
 from app.services import subscriptions as sub_service
 
 log = logging.getLogger(__name__)
@@ -48,17 +50,29 @@ async def release_lock(client: aioredis.Redis, key: str, token: bytes) -> bool:
 # Moving objects whose TTL passed leave the latest-position store, and every worker is told
 # (wire.ObjectsGone, msgpack map {t, tn, ids}) in the same step, so none keeps them in a kNN
 # list. An object updated meanwhile has a later expiry and is not among them.
-# KEYS: positions hash, expiry zset, tenants with expiries, the worker streams. ARGV: now,
-# most objects per call, tenant. Returns how many left.
-OBJECTS_GONE_SCRIPT = """
+# KEYS: positions hash, expiry zset, then either the tenants with expiries and the worker
+# streams, or (with outboxes, `app.pipeline.outbox`) the tenant's outbox. ARGV: now, most
+# objects per call, tenant, then with the outbox the worker streams. Returns how many left.
+# (Through an outbox the tenant stays in the set: its removal would race with a publish
+# adding it, in another slot.)
+OBJECTS_GONE_SCRIPT = ENCODE_OPS_LUA + """
 local ids = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', ARGV[1], 'LIMIT', 0, ARGV[2])
+local outbox = #ARGV > 3
 if #ids == 0 then
-  if redis.call('ZCARD', KEYS[2]) == 0 then redis.call('SREM', KEYS[3], ARGV[3]) end
+  if not outbox and redis.call('ZCARD', KEYS[2]) == 0 then
+    redis.call('SREM', KEYS[3], ARGV[3])
+  end
   return 0
 end
 for _, id in ipairs(ids) do redis.call('HDEL', KEYS[1], id) end
 redis.call('ZREM', KEYS[2], unpack(ids))
 local msg = cmsgpack.pack({t = 'gone', tn = ARGV[3], ids = ids})
+if outbox then
+  local ops = {}
+  for s = 4, #ARGV do ops[#ops + 1] = encode_op({'XADD', ARGV[s], '*', 'm', msg}) end
+  redis.call('XADD', KEYS[3], '*', 'm', table.concat(ops))
+  return #ids
+end
 for s = 4, #KEYS do redis.call('XADD', KEYS[s], '*', 'm', msg) end
 return #ids
 """
@@ -73,16 +87,33 @@ async def expire_objects(state: AppState, now: float) -> int:
     streams = [names.worker_stream(w) for w in index.workers]
     script = state.redis.register_script(OBJECTS_GONE_SCRIPT)
     total = 0
+    outbox = state.router.outbox is not None
     for raw in await state.redis.smembers(names.OBJECT_EXPIRY_TENANTS):
         tenant = raw.decode() if isinstance(raw, bytes) else str(raw)
-        keys = [names.positions_key(tenant), names.object_expiry_key(tenant),
-                names.OBJECT_EXPIRY_TENANTS, *streams]
+        keys = [names.positions_key(tenant), names.object_expiry_key(tenant)]
+        args: list[Any] = [now, OBJECTS_PER_CALL, tenant]
+        if outbox:
+            keys.append(names.tenant_outbox(tenant))
+            args += streams
+        else:
+            keys += [names.OBJECT_EXPIRY_TENANTS, *streams]
         while True:
-            n = int(await script(keys=keys, args=[now, OBJECTS_PER_CALL, tenant]))
+            n = int(await script(keys=keys, args=args))
             total += n
             if n < OBJECTS_PER_CALL:
                 break
+        if outbox:
+            await state.router.relay_tenant(tenant)
     return total
+
+
+async def relay_outboxes(state: AppState) -> None:
+    """Relay what tenants' outboxes still hold (an api process died between a write and its
+    relay; a relay failed): everything queued reaches the workers."""
+    if state.router is None or state.router.outbox is None:
+        return
+    for raw in await state.redis.smembers(names.OUTBOX_TENANTS):
+        await state.router.relay_tenant(raw.decode() if isinstance(raw, bytes) else str(raw))
 
 
 async def expire_once(state: AppState) -> int:
@@ -98,6 +129,7 @@ async def expire_once(state: AppState) -> int:
         if rows and state.router is not None:
             await state.router.remove_subscriptions(rows, reason="expired")
             SUBSCRIPTIONS_DELETED.labels("expired").inc(len(rows))
+        await relay_outboxes(state)
         gone = await expire_objects(state, time.time())
         if gone:
             log.info("%d moving objects outlived their TTL", gone)

@@ -158,9 +158,18 @@ def rate_key(key_id: str, window: int) -> str:
     return f"gs:rl:{key_id}:{window}"
 
 
-def publish_guard_key(token: str) -> str:
+def publish_guard_key(tenant: str, token: str) -> str:
     """Set by the first application of one publish: a repeated call is then a no-op."""
-    return f"gs:pub:{token}"
+    return "gs:pub:" + tenant_tag(tenant) + ":" + token
+
+
+def tenant_outbox(tenant: str) -> str:
+    """The api's writes of a tenant to other hash slots (its publishes' worker entries, its
+    subscriptions' messages), when they go through an outbox (`app.pipeline.outbox`)."""
+    return "gs:out:" + tenant_tag(tenant)
+
+
+OUTBOX_TENANTS = "gs:out:tenants"  # set: the tenants whose outbox the expiry round relays
 
 
 def object_expiry_key(tenant: str) -> str:

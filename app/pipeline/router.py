@@ -26,6 +26,7 @@ from app.models import Subscription
 from app.pipeline import knnreg, names, records, wire
 from app.pipeline.cluster import ALLOCATE_IDS_SCRIPT, live_workers, load_plan, part_seq_floor
 from app.pipeline.control import history_entry
+from app.pipeline.outbox import AsyncRelayer, encode_ops, op
 
 log = logging.getLogger(__name__)
 
@@ -39,11 +40,13 @@ log = logging.getLogger(__name__)
 # the worker that stored them) renews the tenant's events mark (`names.events_key`) for a
 # window: while it is absent, no worker holds an event of the tenant, and kNN registrations
 # need the owners under the current plan alone (`app.pipeline.knnreg`).
-# KEYS: guard, positions hash, expiry zset, tenants with expiries, events mark, the worker
-# streams.
-# ARGV: guard ttl, n, quota (0: none), tenant, the events mark's ttl (0: no event), then n
-# quadruples (object id, its packed position as read or '' for none, the packed position to
-# store or '' to keep it, its expiry time), then one stream entry per stream.
+# KEYS: guard, positions hash, expiry zset, events mark, then either the set of tenants with
+# expiries and the worker streams, or (with outboxes, `app.pipeline.outbox`) the tenant's
+# outbox.
+# ARGV: guard ttl, n, quota (0: none), tenant, the events mark's ttl (0: no event), 'o' when
+# the entries go through the outbox, then n quadruples (object id, its packed position as read
+# or '' for none, the packed position to store or '' to keep it, its expiry time), then one
+# stream entry per stream, or the outbox entry (`encode_ops` of the XADDs).
 # Returns 1 when applied (now or before), 0 when a position changed meanwhile, 2 when over
 # the quota.
 PUBLISH_SCRIPT = """
@@ -55,21 +58,21 @@ local new_ids, pos, exp = 0, {}, {}
 for s = 0, n - 1, CHUNK do
   local last = math.min(n, s + CHUNK) - 1
   local ids = {}
-  for i = s, last do ids[#ids + 1] = ARGV[6 + 4 * i] end
+  for i = s, last do ids[#ids + 1] = ARGV[7 + 4 * i] end
   local held = redis.call('HMGET', KEYS[2], unpack(ids))
   for i = s, last do
-    local read = ARGV[7 + 4 * i]
+    local read = ARGV[8 + 4 * i]
     if (held[i - s + 1] or '') ~= read then
       redis.call('DEL', KEYS[1])
       return 0
     end
-    local new = ARGV[8 + 4 * i]
+    local new = ARGV[9 + 4 * i]
     if new ~= '' then
       if read == '' then new_ids = new_ids + 1 end
-      pos[#pos + 1] = ARGV[6 + 4 * i]
+      pos[#pos + 1] = ARGV[7 + 4 * i]
       pos[#pos + 1] = new
-      exp[#exp + 1] = ARGV[9 + 4 * i]
-      exp[#exp + 1] = ARGV[6 + 4 * i]
+      exp[#exp + 1] = ARGV[10 + 4 * i]
+      exp[#exp + 1] = ARGV[7 + 4 * i]
     end
   end
 end
@@ -82,9 +85,13 @@ for s = 1, #pos, 2 * CHUNK do
   redis.call('HSET', KEYS[2], unpack(pos, s, last))
   redis.call('ZADD', KEYS[3], unpack(exp, s, last))
 end
-if #pos > 0 then redis.call('SADD', KEYS[4], ARGV[4]) end
-if ARGV[5] ~= '0' then redis.call('SET', KEYS[5], '1', 'EX', ARGV[5]) end
-local base = 6 + 4 * n
+if ARGV[5] ~= '0' then redis.call('SET', KEYS[4], '1', 'EX', ARGV[5]) end
+local base = 7 + 4 * n
+if ARGV[6] == 'o' then
+  redis.call('XADD', KEYS[5], '*', 'm', ARGV[base])
+  return 1
+end
+if #pos > 0 then redis.call('SADD', KEYS[5], ARGV[4]) end
 for s = 6, #KEYS do
   redis.call('XADD', KEYS[s], '*', 'm', ARGV[base + s - 6])
 end
@@ -237,6 +244,10 @@ class Router:
         self.redis = redis
         self.index: GlobalIndex | None = None
         self._publish = redis.register_script(PUBLISH_SCRIPT)
+        # Writes to other hash slots go through the tenants' outboxes (a Redis Cluster).
+        self.outbox = AsyncRelayer(redis) if settings.redis_outbox else None
+        self._outbox_tenants: set[str] = set()
+        self._expiry_tenants: set[str] = set()
         self._backlog: dict[str, int] = {}  # worker stream -> its length, read at _backlog_at
         self._backlog_at = 0.0
         self._plan_checked = 0.0
@@ -298,7 +309,7 @@ class Router:
         moving_rows = [i for i in range(n) if batch.moving[i]]
         moving_ids = list(dict.fromkeys(batch.ids[i] for i in moving_rows))
         pos_key = names.positions_key(batch.tenant)
-        guard = names.publish_guard_key(secrets.token_hex(12))
+        guard = names.publish_guard_key(batch.tenant, secrets.token_hex(12))
         for _attempt in range(PUBLISH_ATTEMPTS):
             index = await self.current_index()
             stored: dict[str, bytes | None] = {}
@@ -314,21 +325,31 @@ class Router:
             await self._check_backlog(streams)
             args: list[Any] = [PUBLISH_GUARD_TTL_S, len(checks),
                                self.settings.tenant_max_objects, batch.tenant,
-                               self.events_ttl_s if len(moving_rows) < n else 0]
+                               self.events_ttl_s if len(moving_rows) < n else 0,
+                               "o" if self.outbox else ""]
             for oid, read, new, row in checks:
                 args += [oid, read, new, self._expiry(batch, row) if row >= 0 else 0]
+            keys = [guard, pos_key, names.object_expiry_key(batch.tenant),
+                    names.events_key(batch.tenant)]
+            if self.outbox is None:
+                keys += [names.OBJECT_EXPIRY_TENANTS, *streams]
+                args += entries
+            else:
+                keys.append(names.tenant_outbox(batch.tenant))
+                args.append(encode_ops(op("XADD", s, "*", "m", e)
+                                       for s, e in zip(streams, entries, strict=True)))
+                await self._outbox_tenant(batch.tenant, bool(checks))
             try:
-                done = await self._publish(
-                    keys=[guard, pos_key, names.object_expiry_key(batch.tenant),
-                          names.OBJECT_EXPIRY_TENANTS, names.events_key(batch.tenant),
-                          *streams],
-                    args=[*args, *entries])
+                done = await self._publish(keys=keys, args=args)
             except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
                 # The call may have been applied before Redis went away: its guard key tells,
                 # once Redis answers again, so that a 503 always means "nothing was written".
                 if await self._applied(guard):
+                    await self.relay_tenant(batch.tenant)
                     return
                 raise
+            if done == 1:
+                await self.relay_tenant(batch.tenant)
             if done == 2:
                 raise ObjectQuotaExceeded(
                     f"tenant quota of {self.settings.tenant_max_objects} moving objects "
@@ -337,6 +358,35 @@ class Router:
                 return
         raise PublishContention(f"the positions of {len(moving_ids)} objects kept changing "
                                 f"under {PUBLISH_ATTEMPTS} attempts to publish them")
+
+    async def _outbox_tenant(self, tenant: str, moving: bool) -> None:
+        """Before a tenant's first write through its outbox (by this process): the tenant
+        joins the set whose outboxes the expiry round relays; with moving objects, the set
+        whose objects it expires (on one Redis the publish script adds it there itself). Both
+        sets only grow (a tenant that left one would race with a publish adding it)."""
+        if tenant not in self._outbox_tenants:
+            await self.redis.sadd(names.OUTBOX_TENANTS, tenant)
+            self._outbox_tenants.add(tenant)
+        if moving and tenant not in self._expiry_tenants:
+            await self.redis.sadd(names.OBJECT_EXPIRY_TENANTS, tenant)
+            self._expiry_tenants.add(tenant)
+
+    async def relay_tenant(self, tenant: str) -> None:
+        """Relay what the tenant's outbox holds (ours, and any left by a process that died
+        before relaying it). A failure leaves it to the next publish or the expiry round: the
+        entry is queued either way."""
+        if self.outbox is None:
+            return
+        try:
+            await self.outbox.relay_all(names.tenant_outbox(tenant))
+        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
+            log.warning("the outbox of tenant %s is left to relay later: %s", tenant, exc)
+
+    async def via_outbox(self, tenant: str, ops: list[list[bytes]]) -> None:
+        """Write `ops` (of any slots) as one entry of the tenant's outbox, then relay it."""
+        await self._outbox_tenant(tenant, False)
+        await self.redis.xadd(names.tenant_outbox(tenant), {b"m": encode_ops(ops)})
+        await self.relay_tenant(tenant)
 
     async def _applied(self, guard: str) -> bool:
         """Whether the publish of `guard`, whose reply was lost, took effect; waits up to
@@ -500,9 +550,21 @@ class Router:
 
     # --- subscriptions -------------------------------------------------------------------
     async def add_subscriptions(self, rows: list[Subscription]) -> None:
+        """Send new subscriptions to the workers that own their regions (kNN ones with their
+        first registration), all or nothing."""
+        if self.outbox is not None:  # one step per tenant, each through its outbox
+            for tenant, of_tenant in _by_tenant(rows).items():
+                pipe: Any = OpsPipe()
+                await self._add_subscriptions(of_tenant, pipe)
+                await self.via_outbox(tenant, pipe.ops)
+            return
+        pipe = self.redis.pipeline(transaction=True)
+        await self._add_subscriptions(rows, pipe)
+        await pipe.execute()
+
+    async def _add_subscriptions(self, rows: list[Subscription], pipe: Any) -> None:
         index = await self.current_index()
         per_worker: dict[str, list[wire.SubscriptionCopy]] = {}
-        pipe = self.redis.pipeline(transaction=True)
         knn = [r for r in rows if r.spec["type"] == "knn"]
         regs = await self.knn_registrations(index, knn) if knn else {}
         for row in rows:
@@ -524,7 +586,6 @@ class Router:
         for w, subs in per_worker.items():
             pipe.xadd(names.worker_stream(w), {b"m": wire.encode_entry(
                 wire.SubsAdded(subs=subs, plan_version=index.version))})
-        await pipe.execute()
 
     async def knn_registrations(self, index: GlobalIndex, rows: list[Subscription]
                                 ) -> dict[str, tuple[float, set[str]]]:
@@ -573,22 +634,63 @@ class Router:
     async def remove_subscriptions(self, rows: list[Subscription],
                                    reason: str = "deleted") -> None:
         index = await self.current_index()
-        msg = wire.encode_entry(wire.SubsRemoved(ids=[r.id for r in rows]))
-        pipe = self.redis.pipeline(transaction=True)
-        for w in index.workers:
-            pipe.xadd(names.worker_stream(w), {b"m": msg})
-        # A subscription that is gone cannot be read or resumed: its history and the id of
-        # its last entry go too.
-        for r in rows:
-            pipe.delete(names.history_key(r.id), names.knn_key(r.id))
-            pipe.hdel(names.history_last_key(r.id), names.history_key(r.id))
-        await pipe.execute()
+        if self.outbox is not None:
+            for tenant, of_tenant in _by_tenant(rows).items():
+                ops: Any = OpsPipe()
+                _remove_subscriptions(index, of_tenant, ops)
+                await self.via_outbox(tenant, ops.ops)
+        else:
+            pipe = self.redis.pipeline(transaction=True)
+            _remove_subscriptions(index, rows, pipe)
+            await pipe.execute()
         ids = [r.id for r in rows]
         gone = wire.SubsGone(expired=ids) if reason == "expired" else wire.SubsGone(deleted=ids)
         try:  # best effort: the removal is done; a client listening is then just not told
             await self.redis.publish(names.SUBS_CHANNEL, wire.encode_json(gone))
         except redis.exceptions.RedisError as exc:
             log.warning("could not announce the end of subscriptions %s: %s", ids[:5], exc)
+
+
+def _remove_subscriptions(index: GlobalIndex, rows: list[Subscription], pipe: Any) -> None:
+    msg = wire.encode_entry(wire.SubsRemoved(ids=[r.id for r in rows]))
+    for w in index.workers:
+        pipe.xadd(names.worker_stream(w), {b"m": msg})
+    # A subscription that is gone cannot be read or resumed: its history and the id of its
+    # last entry go too.
+    for r in rows:
+        pipe.delete(names.history_key(r.id))
+        pipe.delete(names.knn_key(r.id))
+        pipe.hdel(names.history_last_key(r.id), names.history_key(r.id))
+
+
+def _by_tenant(rows: list[Subscription]) -> dict[str, list[Subscription]]:
+    out: dict[str, list[Subscription]] = {}
+    for r in rows:
+        out.setdefault(r.tenant, []).append(r)
+    return out
+
+
+class OpsPipe:
+    """Collects the writes of a step as commands for an outbox entry (the pipeline methods
+    the subscription steps use)."""
+
+    def __init__(self) -> None:
+        self.ops: list[list[bytes]] = []
+
+    def xadd(self, key: str, fields: dict[bytes, bytes]) -> None:
+        self.ops.append(op("XADD", key, "*", *(x for kv in fields.items() for x in kv)))
+
+    def hset(self, key: str, mapping: dict[Any, Any]) -> None:
+        self.ops.append(op("HSET", key, *(x for kv in mapping.items() for x in kv)))
+
+    def expire(self, key: str, seconds: int) -> None:
+        self.ops.append(op("EXPIRE", key, seconds))
+
+    def delete(self, key: str) -> None:
+        self.ops.append(op("DEL", key))
+
+    def hdel(self, key: str, *fields: str) -> None:
+        self.ops.append(op("HDEL", key, *fields))
 
 
 def read_history_sample(path: Path, grid: Grid) -> tuple[Any, Any, Any]:

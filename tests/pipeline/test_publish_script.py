@@ -11,6 +11,7 @@ import redis
 
 from app.core.redis import EmbeddedRedis
 from app.pipeline import names, records
+from app.pipeline.outbox import decode_ops, encode_ops, op, slot_of
 from app.pipeline.router import PUBLISH_SCRIPT, last_writer_wins
 
 
@@ -50,10 +51,10 @@ def rdb(embedded_redis: EmbeddedRedis) -> Iterator[redis.Redis]:
 
 def run(rdb: redis.Redis, guard: str, checks: list[tuple[str, bytes, bytes, float]],
         quota: int = 0, events_ttl: int = 0) -> int:
-    keys = [names.publish_guard_key(guard), names.positions_key("t"),
-            names.object_expiry_key("t"), names.OBJECT_EXPIRY_TENANTS, names.events_key("t"),
+    keys = [names.publish_guard_key("t", guard), names.positions_key("t"),
+            names.object_expiry_key("t"), names.events_key("t"), names.OBJECT_EXPIRY_TENANTS,
             "gs:w:x"]
-    args: list[object] = [60, len(checks), quota, "t", events_ttl]
+    args: list[object] = [60, len(checks), quota, "t", events_ttl, ""]
     for c in checks:
         args += list(c)
     return int(rdb.eval(PUBLISH_SCRIPT, len(keys), *keys, *args, b"entry"))  # type: ignore[arg-type]
@@ -66,7 +67,7 @@ def test_publish_script_is_all_or_nothing_and_once(rdb: redis.Redis) -> None:
     assert rdb.xlen("gs:w:x") == 1 and rdb.hget(names.positions_key("t"), "a") == p1
     # read before another publish changed it: nothing written, and it may be retried
     assert run(rdb, "g2", [("a", b"", p2, 200.0)]) == 0
-    assert rdb.xlen("gs:w:x") == 1 and not rdb.exists(names.publish_guard_key("g2"))
+    assert rdb.xlen("gs:w:x") == 1 and not rdb.exists(names.publish_guard_key("t", "g2"))
     assert run(rdb, "g2", [("a", p1, p2, 200.0)]) == 1
     assert rdb.hget(names.positions_key("t"), "a") == p2
     assert rdb.zscore(names.object_expiry_key("t"), "a") == 200.0
@@ -112,3 +113,21 @@ def test_a_publish_with_events_renews_the_tenants_events_mark(rdb: redis.Redis) 
     assert 90 < rdb.ttl(names.events_key("t")) <= 100
     assert run(rdb, "e3", [("a", b"wrong", b"q", 1.0)], events_ttl=500) == 0  # not applied
     assert rdb.ttl(names.events_key("t")) <= 100
+
+
+def test_publish_script_through_the_outbox(rdb: redis.Redis) -> None:
+    """With outboxes (a Redis Cluster: the streams are in other slots) the script appends the
+    workers' entries to the tenant's outbox as one entry, in the positions' step, and touches
+    nothing outside the tenant's slot."""
+    outbox = names.tenant_outbox("t")
+    keys = [names.publish_guard_key("t", "o1"), names.positions_key("t"),
+            names.object_expiry_key("t"), names.events_key("t"), outbox]
+    assert len({slot_of(k) for k in keys}) == 1
+    ops = [op("XADD", "gs:w:{w0}", "*", "m", b"e0"), op("XADD", "gs:w:{w1}", "*", "m", b"e1")]
+    args: list[object] = [60, 1, 0, "t", 0, "o", "a", b"", b"pos", 100.0, encode_ops(ops)]
+    assert int(rdb.eval(PUBLISH_SCRIPT, len(keys), *keys, *args)) == 1  # type: ignore[arg-type]
+    assert int(rdb.eval(PUBLISH_SCRIPT, len(keys), *keys, *args)) == 1  # type: ignore[arg-type]
+    (_, fields), = rdb.xrange(outbox)  # once
+    assert decode_ops(fields[b"m"]) == ops
+    assert rdb.hget(names.positions_key("t"), "a") == b"pos"
+    assert not rdb.exists(names.OBJECT_EXPIRY_TENANTS, "gs:w:{w0}")

@@ -9,21 +9,22 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-import msgspec
 import pytest
 import redis
 
 from app.pipeline import names
-from bench.cluster import own_database
-from workers.outbox import (
-    OutboxEntry,
-    OutboxPipe,
+from app.pipeline.outbox import (
+    ENCODE_OPS_LUA,
     Relayer,
+    decode_ops,
+    encode_ops,
+    group_ops,
     relay_mark_key,
-    relay_outbox,
     slot_of,
     slot_tags,
 )
+from bench.cluster import own_database
+from workers.outbox import OutboxPipe, relay_outbox
 
 # a script as a commit queues them: KEYS = a stream and a counter hash; appends, counts
 APPEND = """
@@ -132,9 +133,9 @@ def test_two_relayers_of_one_entry_apply_it_once(client: redis.Redis) -> None:
     relayer._send = real_send  # type: ignore[method-assign]
     outbox = names.outbox_stream("w0")
     (eid, fields), = client.xrange(outbox)
-    entry = msgspec.msgpack.decode(fields[b"m"], type=OutboxEntry)
-    first = relayer.relay(outbox, eid, entry.groups)
-    second = Relayer(client, [APPEND]).relay(outbox, eid, entry.groups)
+    groups = group_ops(decode_ops(fields[b"m"]))
+    first = relayer.relay(outbox, eid, groups)
+    second = Relayer(client, [APPEND]).relay(outbox, eid, groups)
     assert all(r is not None for r in first) and all(r is None for r in second)
     relay_outbox(client, "w0", relayer)  # the entry is still there: nothing applies again
     assert state(client, keys) == APPLIED_ONCE
@@ -186,3 +187,20 @@ def test_every_slot_has_a_mark_tag() -> None:
     tags = slot_tags()
     assert len(tags) == 16384
     assert all(slot_of("{" + t + "}") == s for s, t in enumerate(tags))
+
+
+def test_commands_survive_their_encoding() -> None:
+    ops = [[b"XADD", b"k", b"*", b"m", bytes(range(256))], [b"HSET", b"h", b"", b"1:2:"],
+           [b"DEL"]]
+    assert decode_ops(encode_ops(ops)) == ops
+    assert decode_ops(b"") == []
+
+
+def test_lua_writes_commands_as_python_reads_them(client: redis.Redis) -> None:
+    """A script that appends to an outbox itself (`ENCODE_OPS_LUA`) writes what
+    `decode_ops` reads."""
+    ops = [[b"XADD", b"gs:w:{w1}", b"*", b"m", bytes(range(256))], [b"HDEL", b"h", b"f"]]
+    raw = client.eval(ENCODE_OPS_LUA + "return encode_op({ARGV[1], ARGV[2], ARGV[3], ARGV[4], "
+                      "ARGV[5]}) .. encode_op({ARGV[6], ARGV[7], ARGV[8]})", 0,
+                      *ops[0], *ops[1])
+    assert raw == encode_ops(ops) and decode_ops(raw) == ops

@@ -7,6 +7,7 @@ transactions and relays are cut."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import redis
 from app.core.config import Settings
 from app.core.redis import EmbeddedRedis
 from app.pipeline import names
+from app.pipeline.outbox import encode_ops, op
 from tests.conftest import LiveServer, start_server
 from tests.workers import test_failover, test_pipeline, test_redis_faults
 from tests.workers.harness import run_on_cluster
@@ -36,9 +38,12 @@ def pipeline(tmp_path_factory: pytest.TempPathFactory,
 def test_exact_delivery(pipeline: LiveServer) -> None:
     asyncio.run(test_pipeline._exact_workload(pipeline, seed=17))
     client = redis.Redis.from_url(pipeline.redis_url)
-    try:  # the matches went through the relay, and nothing is left to relay
-        assert any(True for _ in client.scan_iter(match="gs:relay:*"))
+    try:  # publishes and matches went through outboxes, and nothing is left to relay
+        relayed = {f for key in client.scan_iter(match="gs:relay:*") for f in client.hkeys(key)}
+        assert {names.outbox_stream(f"w{i}").encode() for i in range(3)} <= relayed
+        assert any(f.startswith(b"gs:out:{t:") for f in relayed)
         assert not any(client.xlen(names.outbox_stream(f"w{i}")) for i in range(3))
+        assert not any(client.xlen(k) for k in client.scan_iter(match="gs:out:{t:*"))
     finally:
         client.close()
 
@@ -79,3 +84,22 @@ def test_replies_lost_after_commit_and_relay_apply_once(tmp_path: Path,
                        lambda server: test_redis_faults._lost_replies(server, proxy), **OUTBOX)
     finally:
         proxy.close()
+
+
+def test_an_entry_left_in_a_tenant_outbox_is_relayed_by_the_expiry_round(
+        pipeline: LiveServer) -> None:
+    """As if an api process died between a publish's step and its relay: the entry waits in
+    the tenant's outbox; the api process holding the expiry lock relays it, once."""
+    client = redis.Redis.from_url(pipeline.redis_url)
+    try:
+        client.sadd(names.OUTBOX_TENANTS, "left-behind")
+        client.xadd(names.tenant_outbox("left-behind"), {"m": encode_ops(
+            [op("XADD", "probe:{p}", "*", "m", "1"), op("HINCRBY", "probe:count", "n", 1)])})
+        deadline = time.monotonic() + 20
+        while client.xlen(names.tenant_outbox("left-behind")) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        time.sleep(2.5)  # more expiry rounds: nothing applies twice
+        assert client.xlen("probe:{p}") == 1 and client.hget("probe:count", "n") == b"1"
+        assert client.xlen(names.tenant_outbox("left-behind")) == 0
+    finally:
+        client.close()

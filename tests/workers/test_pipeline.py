@@ -303,7 +303,7 @@ async def _delete_midstream(server: LiveServer, paused: bool) -> None:
         # its history and the id of its last entry (which outlives a history) are gone
         rdb = redis.Redis.from_url(server.redis_url)
         assert rdb.exists(names.history_key(sid)) == 0
-        hashes = rdb.keys(names.history_last_key("*"))
+        hashes = rdb.keys("gs:hlast:*")
         assert [h for h in hashes if rdb.hexists(h, names.history_key(keep))]
         assert not [h for h in hashes if rdb.hexists(h, names.history_key(sid))]
         rdb.close()

@@ -1,0 +1,304 @@
+"""Outboxes: how one step writes keys of several hash slots exactly once on a Redis Cluster,
+where a transaction or script may only touch keys of one slot.
+
+The step's own transaction (or script) writes its own slot's keys and appends one entry to an
+outbox stream in that slot, listing every other command. The entry is then *relayed*: its
+commands are grouped by the slot of their keys, and each group runs as one script call in its
+slot (`RELAY_TEMPLATE`) unless a mark there (`relay_mark_key`: field = the outbox, value =
+the last of its entries applied in that slot) says the entry was applied already; the call
+sets the mark. Whoever relays goes through an outbox in order, from its oldest entry, so a
+mark at or past an entry means that entry was applied to that slot: a relay cut short (a
+crash, a lost connection) is finished by running it again, and several relayers of one
+outbox apply each group once. An entry is deleted once relayed everywhere.
+
+Groups are relayed in the order of their first command, so a command's effect is visible no
+later than those of the commands queued after it in another slot (records before the history
+entries that refer to them). Scripts in an entry run inside the relay script, which holds
+each as a Lua function (`relay_script`): Redis cannot call a script from a script.
+
+An entry's commands are stored as length-prefixed strings (`encode_ops`), a form a Lua script
+writes as easily (`ENCODE_OPS_LUA`) as Python does.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from functools import cache
+from typing import Any
+
+from redis.crc import key_slot
+from redis.exceptions import NoScriptError
+
+log = logging.getLogger(__name__)
+
+SLOTS = 16384
+
+# KEYS[1] = the group's relay mark (a hash in the group's slot), KEYS[2..] = the keys its
+# commands touch (declared for the cluster's routing). ARGV[1] = the outbox, ARGV[2] = the
+# outbox entry's id, then each command as its number of arguments and the arguments (a
+# script call is EVAL, the script's sha1, numkeys, keys..., args...). Returns 0 when the
+# entry was applied here already, else {1, one reply per command} (an error reply in place
+# of a failed command, as EXEC would give it: the other commands still apply).
+RELAY_TEMPLATE = """
+local function after(a, b)
+  local am, as = string.match(a, '^(%d+)-(%d+)$')
+  local bm, bs = string.match(b, '^(%d+)-(%d+)$')
+  am, bm = tonumber(am), tonumber(bm)
+  if am ~= bm then return am > bm end
+  return tonumber(as) > tonumber(bs)
+end
+local mark = redis.call('HGET', KEYS[1], ARGV[1])
+if mark and not after(ARGV[2], mark) then return 0 end
+local SCRIPTS = {}
+@SCRIPTS@
+local out = {}
+local a = 3
+while a <= #ARGV do
+  local n = tonumber(ARGV[a])
+  local op = {unpack(ARGV, a + 1, a + n)}
+  a = a + n + 1
+  local r
+  if op[1] == 'EVAL' then
+    local n = tonumber(op[3])
+    local ok, res = pcall(SCRIPTS[op[2]], {unpack(op, 4, 3 + n)}, {unpack(op, 4 + n)})
+    if ok then r = res
+    elseif type(res) == 'table' then r = res
+    else r = {err = tostring(res)} end
+  else
+    r = redis.pcall(unpack(op))
+  end
+  if r == nil then r = false end
+  out[#out + 1] = r
+end
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+return {1, out}
+"""
+
+
+def script_sha(text: str) -> str:
+    return hashlib.sha1(text.encode()).hexdigest()
+
+
+def relay_script(scripts: Iterable[str]) -> str:
+    """The relay script, able to run each of `scripts` (Lua texts) as a queued command."""
+    funcs = [f"SCRIPTS['{script_sha(t)}'] = function(KEYS, ARGV)\n{t}\nend"
+             for t in sorted(set(scripts))]
+    return RELAY_TEMPLATE.replace("@SCRIPTS@", "\n".join(funcs))
+
+
+@cache
+def slot_tags() -> tuple[str, ...]:
+    """For each hash slot, a short string that hashes to it (the tag of its relay mark)."""
+    tags: list[str | None] = [None] * SLOTS
+    left, i = SLOTS, 0
+    while left:
+        s = key_slot(str(i).encode())
+        if tags[s] is None:
+            tags[s] = str(i)
+            left -= 1
+        i += 1
+    return tuple(t for t in tags if t is not None)
+
+
+def relay_mark_key(slot: int) -> str:
+    """The hash in `slot` of the last outbox entry each outbox relayed there."""
+    return f"gs:relay:{{{slot_tags()[slot]}}}"
+
+
+def slot_of(key: bytes | str) -> int:
+    return int(key_slot(key.encode() if isinstance(key, str) else key))
+
+
+# The commands an outbox holds: those of one key (the first argument), of every argument
+# (DEL), and EVAL of a script its relay knows.
+_ONE_KEY = {b"XADD", b"XACK", b"HSET", b"HDEL", b"EXPIRE", b"RPUSH", b"SET", b"XDEL",
+            b"HINCRBY", b"PEXPIRE", b"SADD", b"SREM", b"ZADD", b"ZREM", b"INCR", b"INCRBY"}
+_EVERY_KEY = {b"DEL", b"UNLINK"}
+
+
+def command_keys(args: tuple[bytes, ...]) -> list[bytes]:
+    name = args[0].upper()
+    if name in _ONE_KEY:
+        return [args[1]]
+    if name in _EVERY_KEY:
+        return list(args[1:])
+    if name == b"EVAL":
+        return list(args[3:3 + int(args[2])])
+    raise ValueError(f"{name.decode()} cannot go through an outbox")
+
+
+
+
+def op(*args: str | bytes | int | float) -> list[bytes]:
+    """A command's arguments as Redis receives them (numbers as redis-py writes them)."""
+    return [a if isinstance(a, bytes) else a.encode() if isinstance(a, str)
+            else repr(a).encode() for a in args]
+
+
+def encode_ops(ops: Iterable[list[bytes]]) -> bytes:
+    """Commands as one string: per command, its number of arguments and ':', then each
+    argument as its length, ':' and its bytes."""
+    parts: list[bytes] = []
+    for op in ops:
+        parts.append(b"%d:" % len(op))
+        for a in op:
+            parts.append(b"%d:" % len(a))
+            parts.append(a)
+    return b"".join(parts)
+
+
+def decode_ops(raw: bytes) -> list[list[bytes]]:
+    out: list[list[bytes]] = []
+    i = 0
+    while i < len(raw):
+        j = raw.index(b":", i)
+        n, i = int(raw[i:j]), j + 1
+        op = []
+        for _ in range(n):
+            j = raw.index(b":", i)
+            size, i = int(raw[i:j]), j + 1
+            op.append(raw[i:i + size])
+            i += size
+        out.append(op)
+    return out
+
+
+# encode_op(args): `encode_ops` of one command, in Lua (its parts concatenated make an entry).
+ENCODE_OPS_LUA = """
+local function encode_op(args)
+  local parts = {#args .. ':'}
+  for _, a in ipairs(args) do parts[#parts + 1] = #a .. ':' .. a end
+  return table.concat(parts)
+end
+"""
+
+
+@dataclass
+class Group:
+    """The commands of one outbox entry for one slot, in their order (`at`: each one's
+    position among the step's commands, when the step is still in memory)."""
+
+    slot: int
+    keys: list[bytes] = field(default_factory=list)
+    ops: list[list[bytes]] = field(default_factory=list)
+    at: list[int] = field(default_factory=list)
+
+    def add(self, op: list[bytes], keys: list[bytes], at: int = -1) -> None:
+        self.keys.extend(k for k in keys if k not in self.keys)
+        self.ops.append(op)
+        self.at.append(at)
+
+
+def group_ops(ops: Iterable[list[bytes]]) -> list[Group]:
+    """An entry's commands grouped by slot, the groups in the order of their first command."""
+    groups: dict[int, Group] = {}
+    for op in ops:
+        keys = command_keys(tuple(op))
+        slot = slot_of(keys[0])
+        groups.setdefault(slot, Group(slot)).add(op, keys)
+    return list(groups.values())
+
+
+def script_op(raw: list[bytes]) -> list[bytes]:
+    """An EVAL as an outbox holds it: the script's sha1 in place of its text."""
+    return [raw[0], script_sha(raw[1].decode()).encode(), *raw[2:]]
+
+
+class _Relay:
+    """What the sync and async relayers share: the relay script for `scripts` and the calls."""
+
+    def __init__(self, scripts: Iterable[str]) -> None:
+        scripts = list(scripts)
+        self.scripts = {script_sha(t) for t in scripts}
+        self.text = relay_script(scripts)
+        self.sha = script_sha(self.text)  # loaded at its first NOSCRIPT
+
+    def check(self, script: str) -> None:
+        if script_sha(script) not in self.scripts:
+            raise ValueError("a script queued through an outbox must be given to its relay")
+
+    def _queue(self, pipe: Any, outbox: str, eid: str, groups: list[Group]) -> None:
+        for g in groups:
+            args: list[bytes | int] = []
+            for op in g.ops:
+                args.append(len(op))
+                args.extend(op)
+            pipe.evalsha(self.sha, 1 + len(g.keys), relay_mark_key(g.slot), *g.keys, outbox,
+                         eid, *args)
+
+
+def _eid(entry_id: bytes | str) -> str:
+    return entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+
+
+def _replies(raw: list[Any]) -> list[list[Any] | None]:
+    return [list(reply[1]) if reply else None for reply in raw]
+
+
+class Relayer(_Relay):
+    """Relays outbox entries with a synchronous client."""
+
+    def __init__(self, client: Any, scripts: Iterable[str] = ()) -> None:
+        super().__init__(scripts)
+        self.client = client
+
+    def relay(self, outbox: str, entry_id: bytes | str, groups: list[Group]
+              ) -> list[list[Any] | None]:
+        """Apply each group unless it was applied already: its replies, or None then."""
+        try:
+            return _replies(self._send(outbox, _eid(entry_id), groups))
+        except NoScriptError:  # Redis restarted and lost its scripts: load it, relay again
+            self.client.script_load(self.text)
+            return _replies(self._send(outbox, _eid(entry_id), groups))
+
+    def _send(self, outbox: str, eid: str, groups: list[Group]) -> list[Any]:
+        pipe = self.client.pipeline(transaction=False)
+        self._queue(pipe, outbox, eid, groups)
+        return list(pipe.execute())
+
+    def relay_all(self, outbox: str) -> int:
+        """Relay and delete every entry `outbox` holds, in order; returns how many."""
+        done = 0
+        while True:
+            rows = self.client.xrange(outbox, count=100)
+            if not rows:
+                return done
+            for eid, fields in rows:
+                self.relay(outbox, eid, group_ops(decode_ops(fields[b"m"])))
+                self.client.xdel(outbox, eid)
+                done += 1
+
+
+class AsyncRelayer(_Relay):
+    """Relays outbox entries with an asyncio client."""
+
+    def __init__(self, client: Any, scripts: Iterable[str] = ()) -> None:
+        super().__init__(scripts)
+        self.client = client
+
+    async def relay(self, outbox: str, entry_id: bytes | str, groups: list[Group]
+                    ) -> list[list[Any] | None]:
+        try:
+            return _replies(await self._send(outbox, _eid(entry_id), groups))
+        except NoScriptError:
+            await self.client.script_load(self.text)
+            return _replies(await self._send(outbox, _eid(entry_id), groups))
+
+    async def _send(self, outbox: str, eid: str, groups: list[Group]) -> list[Any]:
+        pipe = self.client.pipeline(transaction=False)
+        self._queue(pipe, outbox, eid, groups)
+        return list(await pipe.execute())
+
+    async def relay_all(self, outbox: str) -> int:
+        done = 0
+        while True:
+            rows = await self.client.xrange(outbox, count=100)
+            if not rows:
+                return done
+            for eid, fields in rows:
+                await self.relay(outbox, eid, group_ops(decode_ops(fields[b"m"])))
+                await self.client.xdel(outbox, eid)
+                done += 1
