@@ -129,12 +129,15 @@ def cluster_env(tmp: Path, redis_url: str, database_url: str | None = None, work
 
 
 def start_server(tmp: Path, redis_url: str, database_url: str | None = None, workers: int = 2,
-                 api_processes: int = 1, die_with_parent: bool = False,
+                 api_processes: int = 1, die_with_parent: bool = False, own_db: bool = True,
                  **env_overrides: str) -> LiveServer:
-    redis_url = own_database(redis_url)
-    client = redis.Redis.from_url(redis_url)
-    client.flushdb()
-    client.close()
+    """`own_db`: in a database of its own, emptied first (False: `redis_url` as it is, such as
+    a Redis Cluster's node, which has one database)."""
+    if own_db:
+        redis_url = own_database(redis_url)
+        client = redis.Redis.from_url(redis_url)
+        client.flushdb()
+        client.close()
     port = free_port()
     env = {**os.environ, **cluster_env(tmp, redis_url, database_url, workers, **env_overrides)}
     server = LiveServer(base_url=f"http://127.0.0.1:{port}", ws_url=f"ws://127.0.0.1:{port}",

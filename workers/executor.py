@@ -19,13 +19,11 @@ from typing import Any
 import numpy as np
 import orjson
 import redis
-from redis.backoff import NoBackoff
-from redis.retry import Retry
 
 from app.core.collector import WORKER_YOUNG, Collector
 from app.core.config import Settings
 from app.core.db import make_engine, make_sessionmaker
-from app.core.redis import run_script
+from app.core.redis import is_cluster, run_script, worker_client
 from app.geo import balance
 from app.geo.geometry import circle_bbox
 from app.geo.index import GlobalIndex, Partition
@@ -176,9 +174,7 @@ class Executor:
         # No automatic retries: a MULTI/EXEC whose reply was lost may have committed, and
         # sending it again would write its matches twice. A failed call ends the step instead,
         # and the entry, still pending, is replayed against its done-marker (`_recover_pending`).
-        self.redis: Any = redis.Redis.from_url(redis_url, socket_timeout=30,
-                                               socket_connect_timeout=5,
-                                               retry=Retry(NoBackoff(), 0))
+        self.redis: Any = worker_client(redis_url)
         self.stream = names.worker_stream(worker_id)
         self.index: GlobalIndex | None = None
         self.stopping = 0
@@ -194,7 +190,7 @@ class Executor:
         self._history = self.redis.register_script(HISTORY_SCRIPT)
         # the scripts a commit may queue (see `commit_pipe`)
         self.relayer = Relayer(self.redis, (HISTORY_SCRIPT, MERGE_SCRIPT, DROP_WORKER_SCRIPT)
-                               ) if settings.redis_outbox else None
+                               ) if settings.redis_outbox or is_cluster(redis_url) else None
         self.pending_history: list[tuple[str, int, list[str], list[bytes], dict[str, bytes]]] = []
         # Snapshot queries: the window's records, those of the entries being processed (kept
         # once their transaction commits) and the queries among them, each with the number of
@@ -921,11 +917,13 @@ class Executor:
                 for j, sid in enumerate(sub_ids[a:b]):
                     entries.append((sid, reply[2 * j].decode(), reply[2 * j + 1].decode(),
                                     refs[a + j]))
-            pipe.publish(names.NOTIFY_CHANNEL, wire.encode_notification(wire.HistoryAppended(
-                tenant=tenant, bucket=bucket, entries=entries, records=stored, sent_at=sent_at,
-                written_at=written_at)))
+            # (a cluster's pipeline refuses `publish`, not the command)
+            pipe.execute_command("PUBLISH", names.NOTIFY_CHANNEL, wire.encode_notification(
+                wire.HistoryAppended(
+                    tenant=tenant, bucket=bucket, entries=entries, records=stored,
+                    sent_at=sent_at, written_at=written_at)))
         for tenant, subs in notify.items():
-            pipe.publish(names.NOTIFY_CHANNEL, wire.encode_notification(
+            pipe.execute_command("PUBLISH", names.NOTIFY_CHANNEL, wire.encode_notification(
                 wire.SubsChanged(tenant=tenant, subs=sorted(subs))))
         pipe.execute()
 
@@ -1025,8 +1023,8 @@ class Executor:
             self.ledger.remove_query(sid)
         if held:
             pipe = self.redis.pipeline(transaction=False)
-            pipe.delete(*[names.history_key(sid) for sid in held])
-            for sid in held:
+            for sid in held:  # one key per command: they are in many hash slots
+                pipe.delete(names.history_key(sid))
                 pipe.hdel(names.history_last_key(sid), names.history_key(sid))
             pipe.execute()
         for state in self.knn.values():

@@ -18,6 +18,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from redis.commands.core import CoreCommands
+
 from app.pipeline import names
 from app.pipeline.outbox import (
     Group,
@@ -33,6 +35,16 @@ log = logging.getLogger(__name__)
 _EVERY_KEY = {b"DEL", b"UNLINK"}
 
 
+class _Arguments(CoreCommands):
+    """redis-py's command methods, returning the arguments they would send."""
+
+    def execute_command(self, *args: Any, **options: Any) -> tuple[tuple[Any, ...], Any]:
+        return args, options
+
+
+_ARGS = _Arguments()  # type: ignore[abstract]
+
+
 class OutboxPipe:
     """A transaction pipeline for a commit on stream `stream` (see the module docstring):
     `execute` returns every command's reply in the order they were queued (the relayed
@@ -43,8 +55,7 @@ class OutboxPipe:
     def __init__(self, client: Any, stream: str, owner: str, relayer: Relayer) -> None:
         self.client = client
         self.pipe = client.pipeline(transaction=True)
-        self._scratch = client.pipeline(transaction=False)  # builds the commands' arguments
-        self._encode = client.connection_pool.get_encoder().encode
+        self._encode = client.get_encoder().encode
         self.outbox = names.outbox_stream(owner)
         self.own = slot_of(stream)
         self.relayer = relayer
@@ -65,12 +76,10 @@ class OutboxPipe:
 
     def reset(self) -> None:
         self.pipe.reset()
-        self._scratch.reset()
         self.command_stack, self._far, self._queued = [], {}, 0
 
     def _queue(self, method: str, *args: Any, **kwargs: Any) -> OutboxPipe:
-        getattr(self._scratch, method)(*args, **kwargs)
-        cmd_args, options = self._scratch.command_stack.pop()
+        cmd_args, options = getattr(_ARGS, method)(*args, **kwargs)
         raw = tuple(self._encode(a) for a in cmd_args)
         keys = command_keys(raw)
         slots = {slot_of(k) for k in keys}

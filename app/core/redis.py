@@ -177,10 +177,45 @@ def _cluster_message(url: str) -> str:
             "step. Point GEOSWARM_REDIS_URL at a standalone Redis.")
 
 
+# Set to 1 by geoswarm's own tests of the work towards Redis Cluster: a cluster is then
+# accepted, with outboxes (`app.pipeline.outbox`). Not for users: balancing, failover, kNN
+# subscriptions and snapshot queries do not work on one yet (docs/architecture.md, "Outboxes").
+CLUSTER_PREVIEW_ENV = "GEOSWARM_REDIS_CLUSTER_PREVIEW"
+
+
+def cluster_preview() -> bool:
+    return os.environ.get(CLUSTER_PREVIEW_ENV) == "1"
+
+
 def _refuse(info: Any, url: str) -> None:
     """Raise ClusterNotSupported when `info` (INFO cluster of `url`) says cluster mode."""
-    if str(info.get("cluster_enabled", 0)) == "1":
+    if str(info.get("cluster_enabled", 0)) == "1" and not cluster_preview():
         raise ClusterNotSupported(_cluster_message(url))
+
+
+_CLUSTER: dict[str, bool] = {}
+
+
+def is_cluster(url: str) -> bool:
+    """Whether `url` is a node of a Redis Cluster (asked once per process; a Redis that does
+    not answer is taken for a standalone one, which the caller then meets as it is)."""
+    if url not in _CLUSTER:
+        try:
+            client = redis.Redis.from_url(url, socket_connect_timeout=2, socket_timeout=5)
+            try:
+                info = client.info("cluster")
+            finally:
+                client.close()
+        except redis.RedisError:
+            return False
+        _CLUSTER[url] = str(info.get("cluster_enabled", 0)) == "1"
+    return _CLUSTER[url]
+
+
+def _cluster_url(url: str) -> str:
+    """A cluster client takes no database index (a cluster has only database 0)."""
+    parts = urlsplit(url)
+    return parts._replace(path="").geturl()
 
 
 def refuse_cluster(url: str) -> None:
@@ -220,11 +255,20 @@ def resolve_redis_url(settings: Settings) -> tuple[str, EmbeddedRedis | None]:
     return server.url, server
 
 
-def async_client(url: str) -> aioredis.Redis:
+def async_client(url: str) -> Any:
     """The api's client. A call whose connection breaks is sent again (3 times, quickly): every
     write of the api is idempotent (a publish carries its guard key, subscription messages are
     applied once by the workers), so a call that took effect before its reply was lost is not
-    applied twice, and the client gets its answer instead of a 503."""
+    applied twice, and the client gets its answer instead of a 503. For a Redis Cluster, a
+    client that follows its slots."""
+    if is_cluster(url):
+        from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
+
+        return AsyncRedisCluster.from_url(
+            _cluster_url(url), socket_connect_timeout=2, socket_timeout=10,
+            max_connections=512, decode_responses=False,
+            retry=AsyncRetry(ExponentialWithJitterBackoff(base=0.02, cap=0.5), 3),
+            retry_on_error=[redis.ConnectionError, redis.TimeoutError])
     return aioredis.Redis.from_url(
         url, socket_connect_timeout=2, socket_timeout=10, health_check_interval=15,
         max_connections=512, decode_responses=False,
@@ -233,9 +277,32 @@ def async_client(url: str) -> aioredis.Redis:
     )
 
 
-def sync_client(url: str, socket_timeout: float = 30) -> redis.Redis:
+def sync_client(url: str, socket_timeout: float = 30) -> Any:
+    if is_cluster(url):
+        return redis.RedisCluster.from_url(_cluster_url(url), socket_connect_timeout=2,
+                                           socket_timeout=socket_timeout)
     return redis.Redis.from_url(url, socket_connect_timeout=2, socket_timeout=socket_timeout,
                                 health_check_interval=15)
+
+
+def worker_client(url: str) -> Any:
+    """A worker's client: no automatic retries (a MULTI/EXEC whose reply was lost may have
+    committed; see `workers.executor.Executor`)."""
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    if is_cluster(url):
+        return redis.RedisCluster.from_url(_cluster_url(url), socket_timeout=30,
+                                           socket_connect_timeout=5, retry=Retry(NoBackoff(), 0))
+    return redis.Redis.from_url(url, socket_timeout=30, socket_connect_timeout=5,
+                                retry=Retry(NoBackoff(), 0))
+
+
+def pubsub_pool(client: Any, url: str) -> Any:
+    """The connection pool of a pub/sub connection: the client's own, or on a Redis Cluster
+    one to the node of `url` (a cluster delivers every PUBLISH to subscribers on any node)."""
+    pool = getattr(client, "connection_pool", None)
+    return pool if pool is not None else aioredis.ConnectionPool.from_url(_cluster_url(url))
 
 
 def env_with_redis(url: str) -> dict[str, str]:

@@ -26,6 +26,7 @@ from redis.asyncio.client import PubSub
 from starlette.concurrency import run_in_threadpool
 
 from app.core.metrics import HOPS, WS_CLOSED, WS_CONNECTIONS, WS_MESSAGES
+from app.core.redis import pubsub_pool
 from app.pipeline import names, wire
 from app.services import subscriptions
 
@@ -438,7 +439,7 @@ class Subscriber(PubSub):
     reads back what they would have told (`Hub.recover`)."""
 
     def __init__(self, hub: Hub) -> None:
-        super().__init__(hub.redis.connection_pool)
+        super().__init__(pubsub_pool(hub.redis, hub.state.redis_url))
         self.hub = hub
 
     async def on_connect(self, connection: Any) -> None:

@@ -226,8 +226,9 @@ class _Relay:
             for op in g.ops:
                 args.append(len(op))
                 args.extend(op)
-            pipe.evalsha(self.sha, 1 + len(g.keys), relay_mark_key(g.slot), *g.keys, outbox,
-                         eid, *args)
+            # (a cluster's pipeline refuses `evalsha`, not the command: it routes it by its keys)
+            pipe.execute_command("EVALSHA", self.sha, 1 + len(g.keys), relay_mark_key(g.slot),
+                                 *g.keys, outbox, eid, *args)
 
 
 def _eid(entry_id: bytes | str) -> str:

@@ -16,6 +16,7 @@ import numpy as np
 import orjson
 import redis.asyncio as aioredis
 import redis.exceptions
+from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 
 from app.core.config import Settings
 from app.core.metrics import ROUTED_ROWS
@@ -245,7 +246,8 @@ class Router:
         self.index: GlobalIndex | None = None
         self._publish = redis.register_script(PUBLISH_SCRIPT)
         # Writes to other hash slots go through the tenants' outboxes (a Redis Cluster).
-        self.outbox = AsyncRelayer(redis) if settings.redis_outbox else None
+        clustered = isinstance(redis, AsyncRedisCluster)
+        self.outbox = AsyncRelayer(redis) if settings.redis_outbox or clustered else None
         self._outbox_tenants: set[str] = set()
         self._expiry_tenants: set[str] = set()
         self._backlog: dict[str, int] = {}  # worker stream -> its length, read at _backlog_at
@@ -731,7 +733,8 @@ async def ensure_plan(redis: aioredis.Redis, settings: Settings, workers: list[s
         # the first plan of a worker set starts the history snapshot queries read
         pipe.rpush(names.PLAN_HISTORY, history_entry(plan_json, plan.version, time.time()))
         pipe.ltrim(names.PLAN_HISTORY, -names.PLAN_HISTORY_MAX, -1)
-        pipe.publish(names.PLAN_CHANNEL, str(plan.version))
         await pipe.execute()
+        # (not in the transaction: a cluster's transaction takes only commands on keys)
+        await redis.publish(names.PLAN_CHANNEL, str(plan.version))
     await redis.eval(ALLOCATE_IDS_SCRIPT, 1, names.PART_SEQ, part_seq_floor(plan), 0)
     return plan

@@ -6,26 +6,21 @@ with a MOVED error. A standalone Redis, or one that does not answer, is not refu
 from __future__ import annotations
 
 import os
-import random
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import redis
 
-from app.core.processes import stop_processes
 from app.core.redis import (
     ClusterNotSupported,
     EmbeddedRedis,
     free_port,
-    redis_executable,
     refuse_cluster,
 )
 from tests.conftest import ROOT
+from tests.redis_cluster import redis_cluster
 
 MESSAGE = "Redis Cluster is not supported yet"
 
@@ -33,60 +28,8 @@ MESSAGE = "Redis Cluster is not supported yet"
 @pytest.fixture(scope="module")
 def cluster_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """The URL of the first node of a running 3-primary Redis Cluster."""
-    server = redis_executable()
-    cli = str(Path(server).with_name("redis-cli"))
-    ports = _cluster_ports(3)
-    procs = []
-    for port in ports:
-        d = tmp_path_factory.mktemp(f"node{port}")
-        procs.append(subprocess.Popen(
-            [server, "--port", str(port), "--bind", "127.0.0.1", "--cluster-enabled", "yes",
-             "--cluster-config-file", "nodes.conf", "--dir", str(d), "--save", "",
-             "--appendonly", "no", "--logfile", str(d / "redis.log")],
-            stdin=subprocess.DEVNULL))
-    try:
-        for port in ports:
-            _wait(lambda port=port: redis.Redis(port=port).ping())
-        subprocess.run([cli, "--cluster", "create", *(f"127.0.0.1:{p}" for p in ports),
-                        "--cluster-yes"], check=True, capture_output=True, timeout=60)
-        first = redis.Redis(port=ports[0])
-        _wait(lambda: first.info("cluster")["cluster_enabled"] == 1
-              and b"cluster_state:ok" in first.execute_command("CLUSTER", "INFO"))
-        yield f"redis://127.0.0.1:{ports[0]}/0"
-    finally:
-        stop_processes(procs)
-
-
-def _cluster_ports(n: int) -> list[int]:
-    """Free ports for cluster nodes: at most 55535, each with its cluster bus port (10 000
-    higher) free too (ephemeral ports from the OS are often above that)."""
-    rng = random.Random()
-    ports: list[int] = []
-    while len(ports) < n:
-        port = rng.randrange(20_000, 45_000)
-        if port in ports:
-            continue
-        try:
-            for p in (port, port + 10_000):
-                with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-                    s.bind(("127.0.0.1", p))
-        except OSError:
-            continue
-        ports.append(port)
-    return ports
-
-
-def _wait(ok: object, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            if ok():  # type: ignore[operator]
-                return
-        except redis.RedisError:
-            pass
-        if time.monotonic() > deadline:
-            raise TimeoutError("the cluster did not come up")
-        time.sleep(0.1)
+    with redis_cluster(tmp_path_factory.mktemp("cluster")) as url:
+        yield url
 
 
 def _run(args: list[str], url: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:

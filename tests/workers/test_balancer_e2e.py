@@ -169,7 +169,7 @@ def test_coordinator_sigkill_standby_takes_over(cluster: LiveServer) -> None:
     assert len(set(nums)) == len(nums)  # never two leaders recording one round
 
 
-def wait_leader(server: LiveServer, timeout: float = 10.0) -> str | None:
+def wait_leader(server: LiveServer, timeout: float = 30.0) -> str | None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         leader = balancer(server).get("leader")
