@@ -200,16 +200,23 @@ def is_cluster(url: str) -> bool:
     """Whether `url` is a node of a Redis Cluster (asked once per process; a Redis that does
     not answer is taken for a standalone one, which the caller then meets as it is)."""
     if url not in _CLUSTER:
-        try:
-            client = redis.Redis.from_url(url, socket_connect_timeout=2, socket_timeout=5)
-            try:
-                info = client.info("cluster")
-            finally:
-                client.close()
-        except redis.RedisError:
+        info = _cluster_info(url)
+        if info is None:
             return False
         _CLUSTER[url] = str(info.get("cluster_enabled", 0)) == "1"
     return _CLUSTER[url]
+
+
+def _cluster_info(url: str) -> Any:
+    """INFO cluster of `url`, or None when it does not answer (or refuses INFO)."""
+    try:
+        client = redis.Redis.from_url(url, socket_connect_timeout=2, socket_timeout=5)
+        try:
+            return client.info("cluster")
+        finally:
+            client.close()
+    except redis.RedisError:
+        return None
 
 
 def _cluster_url(url: str) -> str:
@@ -222,15 +229,9 @@ def refuse_cluster(url: str) -> None:
     """Raise ClusterNotSupported when `url` is a node of a Redis Cluster (every command on a
     key of another node's slots would fail with MOVED). A Redis that does not answer, or
     does not let us read INFO, is not judged here: the caller meets it as it would anyway."""
-    try:
-        client = redis.Redis.from_url(url, socket_connect_timeout=2, socket_timeout=5)
-        try:
-            info = client.info("cluster")
-        finally:
-            client.close()
-    except redis.RedisError:
-        return
-    _refuse(info, url)
+    info = _cluster_info(url)
+    if info is not None:
+        _refuse(info, url)
 
 
 async def refuse_cluster_async(client: aioredis.Redis, url: str) -> None:
