@@ -106,8 +106,27 @@ class Archive:
         return None
 
     def answer(self, part: wire.QueryPart) -> tuple[wire.QueryReply, Cells | None]:
-        """The archive's reply to a part, and the cells it read (None: all)."""
+        """The archive's reply to a part, and the cells it read (None: all). A compaction
+        deletes the files of the layout it replaced once its grace period has passed: a query
+        that outlived it on the old layout finds a file gone, and runs again on the new one
+        (the same records, laid out otherwise)."""
         layout = read_layout(self.store, part.tenant, part.cut or {})
+        for attempt in range(1, LAYOUT_ATTEMPTS + 1):
+            try:
+                return self._answer_on(part, layout)
+            except Exception as exc:
+                if attempt == LAYOUT_ATTEMPTS or not _file_gone(exc):
+                    raise
+                newer = read_layout(self.store, part.tenant, part.cut or {})
+                if _version(newer) == _version(layout):
+                    raise
+                log.info("archive query of %s read layout v%s, replaced by v%s meanwhile: "
+                         "asked again", part.tenant, _version(layout), _version(newer))
+                layout = newer
+        raise AssertionError("unreachable")
+
+    def _answer_on(self, part: wire.QueryPart, layout: Layout
+                   ) -> tuple[wire.QueryReply, Cells | None]:
         read: list[Cells | None] = []
 
         def frames(cells: Cells | None) -> DataFrame | None:
@@ -124,6 +143,20 @@ class Archive:
         reply = evaluate(self.spark, frames, part, radius, self.region)
         cells = None if not read or any(c is None for c in read) else read[-1]
         return reply, cells
+
+
+LAYOUT_ATTEMPTS = 3
+
+
+def _version(layout: Layout) -> int | None:
+    return layout.manifest.version if layout.manifest is not None else None
+
+
+def _file_gone(exc: BaseException) -> bool:
+    """Whether Spark failed because a file it was to read no longer exists (classic Spark
+    and Spark Connect word it the same)."""
+    text = str(exc)
+    return "FILE_NOT_EXIST" in text or "FileNotFoundException" in text
 
 
 class QueryRunner:
