@@ -169,7 +169,7 @@ class World:
         finally:
             engine.dispose()
 
-    def wait_rounds(self, done: Callable[[list[Row]], bool], timeout: float = 10
+    def wait_rounds(self, done: Callable[[list[Row]], bool], timeout: float = 30
                     ) -> list[Row]:
         deadline = time.monotonic() + timeout
         while True:
