@@ -128,10 +128,12 @@ HISTORY_CHUNK = 4096  # history entries per script call (bounds the time Redis i
 def history_call(sub_ids: list[str], refs: list[bytes]) -> tuple[list[str], list[Any]]:
     """HISTORY_SCRIPT's keys, and its arguments from m on, for these subscriptions' entries."""
     hashes: dict[str, int] = {}
-    at = []
+    at, streams = [], []
     for sid in sub_ids:
-        at.append(hashes.setdefault(names.history_last_key(sid), len(hashes) + 1))
-    return ([*hashes, *map(names.history_key, sub_ids)], [len(hashes), *at, *refs])
+        stream, last = names.history_keys(sid)
+        streams.append(stream)
+        at.append(hashes.setdefault(last, len(hashes) + 1))
+    return [*hashes, *streams], [len(hashes), *at, *refs]
 
 
 def history_chunks(sub_ids: list[str], one_slot: bool) -> list[tuple[int, int]]:

@@ -16,6 +16,7 @@ order.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from redis.commands.core import CoreCommands
@@ -45,6 +46,15 @@ class _Arguments(CoreCommands):
 _ARGS = _Arguments()  # type: ignore[abstract]
 
 
+def _queued(method: str) -> Callable[..., OutboxPipe]:
+    """A pipeline method of a commit: queued in the transaction or the outbox entry."""
+    def queue(self: OutboxPipe, *args: Any, **kwargs: Any) -> OutboxPipe:
+        return self._queue(method, *args, **kwargs)
+
+    queue.__name__ = method
+    return queue
+
+
 class OutboxPipe:
     """A transaction pipeline for a commit on stream `stream` (see the module docstring):
     `execute` returns every command's reply in the order they were queued (the relayed
@@ -62,6 +72,7 @@ class OutboxPipe:
         # one per queued command: its position in the transaction, or -1 (in the outbox)
         self.command_stack: list[int] = []
         self._far: dict[int, Group] = {}
+        self._far_ops: list[list[bytes]] = []  # the outbox entry's commands, in order
         self._queued = 0  # commands in the transaction
 
     # the transaction's own connection: WATCH, reads while watching, MULTI
@@ -76,7 +87,7 @@ class OutboxPipe:
 
     def reset(self) -> None:
         self.pipe.reset()
-        self.command_stack, self._far, self._queued = [], {}, 0
+        self.command_stack, self._far, self._far_ops, self._queued = [], {}, [], 0
 
     def _queue(self, method: str, *args: Any, **kwargs: Any) -> OutboxPipe:
         cmd_args, options = getattr(_ARGS, method)(*args, **kwargs)
@@ -98,29 +109,17 @@ class OutboxPipe:
             group = self._far[slot] = Group(slot)
         op = script_op(list(raw)) if raw[0].upper() == b"EVAL" else list(raw)
         group.add(op, keys, len(self.command_stack))
+        self._far_ops.append(op)
         self.command_stack.append(-1)
         return self
 
-    def xadd(self, *a: Any, **kw: Any) -> OutboxPipe:
-        return self._queue("xadd", *a, **kw)
-
-    def xack(self, *a: Any, **kw: Any) -> OutboxPipe:
-        return self._queue("xack", *a, **kw)
-
-    def hset(self, *a: Any, **kw: Any) -> OutboxPipe:
-        return self._queue("hset", *a, **kw)
-
-    def hdel(self, *a: Any, **kw: Any) -> OutboxPipe:
-        return self._queue("hdel", *a, **kw)
-
-    def expire(self, *a: Any, **kw: Any) -> OutboxPipe:
-        return self._queue("expire", *a, **kw)
-
-    def delete(self, *a: Any, **kw: Any) -> OutboxPipe:
-        return self._queue("delete", *a, **kw)
-
-    def rpush(self, *a: Any, **kw: Any) -> OutboxPipe:
-        return self._queue("rpush", *a, **kw)
+    xadd = _queued("xadd")
+    xack = _queued("xack")
+    hset = _queued("hset")
+    hdel = _queued("hdel")
+    expire = _queued("expire")
+    delete = _queued("delete")
+    rpush = _queued("rpush")
 
     def eval(self, script: str, numkeys: int, *keys_and_args: Any) -> OutboxPipe:
         self.relayer.check(script)
@@ -132,8 +131,7 @@ class OutboxPipe:
         relayed again by `relay_outbox` (the commit stands)."""
         groups = sorted(self._far.values(), key=lambda g: g.at[0])
         if groups:
-            ops = sorted((at, op) for g in groups for at, op in zip(g.at, g.ops, strict=True))
-            self.pipe.xadd(self.outbox, {b"m": encode_ops(op for _, op in ops)})
+            self.pipe.xadd(self.outbox, {b"m": encode_ops(self._far_ops)})
         own = self.pipe.execute()
         out: list[Any] = [None] * len(self.command_stack)
         for i, at in enumerate(self.command_stack):
@@ -146,7 +144,7 @@ class OutboxPipe:
                 for at, r in zip(group.at, reply or [], strict=False):
                     out[at] = r
             self.client.xdel(self.outbox, entry_id)
-        self._far, self.command_stack, self._queued = {}, [], 0
+        self._far, self._far_ops, self.command_stack, self._queued = {}, [], [], 0
         for r in out:  # as a pipeline raises the first error (everything else applied)
             if isinstance(r, Exception):
                 raise r

@@ -99,7 +99,13 @@ def query_stream(worker: str) -> str:
 
 def history_key(sub_id: str) -> str:
     """A subscription's history of matches (entries of record references, or kNN lists)."""
-    return "gs:h:" + history_tag(sub_id) + ":" + sub_id
+    return history_keys(sub_id)[0]
+
+
+def history_keys(sub_id: str) -> tuple[str, str]:
+    """`history_key` and `history_last_key` of a subscription, its tag computed once."""
+    tag = history_tag(sub_id)
+    return "gs:h:" + tag + ":" + sub_id, "gs:hlast:" + tag
 
 
 def history_last_key(sub_id: str) -> str:
@@ -107,7 +113,7 @@ def history_last_key(sub_id: str) -> str:
     history group (field: the subscription's `history_key`). It outlives the history streams
     (which expire when quiet) so that a resume can tell a quiet subscription from one whose
     unread entries were trimmed; a subscription's field goes with it."""
-    return "gs:hlast:" + history_tag(sub_id)
+    return history_keys(sub_id)[1]
 
 
 def positions_key(tenant: str) -> str:
