@@ -17,6 +17,10 @@ from app.geo.geometry import bbox_contains, haversine_m
 from app.pipeline import names
 from tests.conftest import LiveServer, auth
 
+# How long an archive query may take in these tests (its wait_s and the server's
+# query_timeout_s): Spark on a loaded 2-core machine took more than the default 30 s.
+SLOW_QUERY_S = 100
+
 WORDS = ["taxi", "bus", "rain", "jam", "park"]
 BBOX = (-10.0, -8.0, 12.0, 9.0)
 
@@ -96,7 +100,7 @@ class Archived:
     def spawn_runner(self, name: str) -> None:
         self.server.spawn(name, ["query-runner", "--id", name], env=self.runners[name])
 
-    def query(self, body: dict[str, Any], wait_s: float = 60) -> dict[str, Any]:
+    def query(self, body: dict[str, Any], wait_s: float = SLOW_QUERY_S) -> dict[str, Any]:
         r = httpx.post(self.server.base_url + "/v1/queries", json={**body, "wait_s": wait_s},
                        headers=auth(self.key), timeout=wait_s + 30)
         assert r.status_code == 200, r.text

@@ -24,6 +24,7 @@ from tests.conftest import ROOT, LiveServer, auth, start_server
 from tests.spark.archive_oracle import (
     BBOX,
     QUERIES,
+    SLOW_QUERY_S,
     Archived,
     Asking,
     Oracle,
@@ -44,7 +45,8 @@ def archived(tmp_path_factory: pytest.TempPathFactory, embedded_redis: Any,  # t
     (GEOSWARM_SPARK_REMOTE), which starts no JVM of its own."""
     tmp: Path = tmp_path_factory.mktemp("archived")
     server = start_server(tmp, embedded_redis.url, workers=2, GEOSWARM_WINDOW_S="2",
-                          GEOSWARM_BUCKET_S="1", GEOSWARM_SPARK_MASTER="local[2]")
+                          GEOSWARM_BUCKET_S="1", GEOSWARM_SPARK_MASTER="local[2]",
+                          GEOSWARM_QUERY_TIMEOUT_S=str(SLOW_QUERY_S))
     try:
         server.wait_workers(2)
         runners = {"r0": {}, "r1": {"GEOSWARM_SPARK_REMOTE": connect_server.url}}

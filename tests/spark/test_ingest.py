@@ -34,7 +34,7 @@ from spark.ingest import Counts, Options, parse_mapping
 from spark.ingest import main as ingest_main
 from spark.session import java_available
 from tests.conftest import ROOT, LiveServer, auth, start_server
-from tests.spark.archive_oracle import runner_ready
+from tests.spark.archive_oracle import SLOW_QUERY_S, runner_ready
 from tests.workers.harness import subscribe_listening, wait_for
 from tests.workers.oracle import Oracle, record_keywords
 
@@ -67,8 +67,8 @@ class Cluster:
 
     def query(self, tenant: str, body: dict[str, Any]) -> dict[str, Any]:
         runner_ready(self.server, "r0")
-        r = httpx.post(self.server.base_url + "/v1/queries", json={**body, "wait_s": 60},
-                       headers=auth(self.server.new_key(tenant)), timeout=90)
+        r = httpx.post(self.server.base_url + "/v1/queries", json={**body, "wait_s": SLOW_QUERY_S},
+                       headers=auth(self.server.new_key(tenant)), timeout=SLOW_QUERY_S + 30)
         assert r.status_code == 200, r.text
         return dict(r.json())
 
@@ -79,7 +79,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, embedded_redis: Any) -> It
     if not ok:
         pytest.skip(f"Java 17+ is not installed: {detail}")
     tmp = tmp_path_factory.mktemp("ingest")
-    server = start_server(tmp, embedded_redis.url, workers=2, GEOSWARM_SPARK_MASTER="local[2]")
+    server = start_server(tmp, embedded_redis.url, workers=2, GEOSWARM_SPARK_MASTER="local[2]",
+                          GEOSWARM_QUERY_TIMEOUT_S=str(SLOW_QUERY_S))
     try:
         server.spawn("r0", ["query-runner", "--id", "r0"])
         server.wait_workers(2)
