@@ -28,11 +28,13 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from app.core.config import Settings
 from app.core.db import make_engine, make_sessionmaker, session_scope
-from app.core.redis import sync_client
+from app.core.redis import is_cluster, sync_client
 from app.geo.balance import Decision, DecisionPointer, mergeable
 from app.geo.index import Partition, Plan
 from app.models import BalancerRound
 from app.pipeline import cluster, names, wire
+from app.pipeline.control import PLAN_ACTIVATE_SCRIPT
+from app.pipeline.outbox import Relayer
 from workers.failover import FAILOVER_SCRIPT, failover_args, failover_plan
 from workers.lease import LEASE_SOCKET_TIMEOUT_S, Lease, LostLease
 
@@ -147,6 +149,10 @@ class Coordinator:
         self._set = self.redis.register_script(FENCED_SET)
         self._allocate = self.redis.register_script(cluster.ALLOCATE_IDS_SCRIPT)
         self._failover = self.redis.register_script(FAILOVER_SCRIPT)
+        # with outboxes: a plan change a worker staged and did not relay (it died) is
+        # relayed here before a failover, which it would stop (app.pipeline.control)
+        self.relayer = Relayer(self.redis, (PLAN_ACTIVATE_SCRIPT,)) if (
+            settings.redis_outbox or is_cluster(redis_url)) else None
         self.last_failover_check = 0.0
         self.engine = make_engine(settings)
         self.sessions = make_sessionmaker(self.engine)
@@ -379,6 +385,8 @@ class Coordinator:
         One dead worker per call; the next call sees the plan this one published."""
         if self.settings.partitioning == "replicated":
             return  # no partitions: objects are spread over every worker by id
+        if self.relayer is not None and self.relayer.relay_all(names.CONTROL_OUTBOX):
+            log.info("coordinator %s relayed a staged plan change", self.id)
         plan = self.plan()
         if plan is None:
             return

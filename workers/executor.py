@@ -28,7 +28,13 @@ from app.geo import balance
 from app.geo.geometry import circle_bbox
 from app.geo.index import GlobalIndex, Partition
 from app.pipeline import cluster, names, records, wire
-from app.pipeline.control import PLAN_CAS_SCRIPT
+from app.pipeline.control import (
+    PLAN_ACTIVATE_SCRIPT,
+    PLAN_CAS_SCRIPT,
+    PLAN_STAGE_SCRIPT,
+    plan_cas_args,
+    plan_stage_args,
+)
 from app.pipeline.histories import APPEND_HISTORY_LUA, history_housekeeping_ms
 from app.pipeline.hops import HopTimes
 from app.pipeline.knnreg import DROP_WORKER_SCRIPT, MERGE_SCRIPT
@@ -191,7 +197,8 @@ class Executor:
         self.knn: dict[str, KnnState] = {}
         self._history = self.redis.register_script(HISTORY_SCRIPT)
         # the scripts a commit may queue (see `commit_pipe`)
-        self.relayer = Relayer(self.redis, (HISTORY_SCRIPT, MERGE_SCRIPT, DROP_WORKER_SCRIPT)
+        self.relayer = Relayer(self.redis, (HISTORY_SCRIPT, MERGE_SCRIPT, DROP_WORKER_SCRIPT,
+                                            PLAN_ACTIVATE_SCRIPT)
                                ) if settings.redis_outbox or is_cluster(redis_url) else None
         self.pending_history: list[tuple[str, int, list[str], list[bytes], dict[str, bytes]]] = []
         # Snapshot queries: the window's records, those of the entries being processed (kept
@@ -215,7 +222,8 @@ class Executor:
         # SWARM load balancing (§4.2-§5).
         self.cmd_stream = names.command_stream(worker_id)
         self.replicated = settings.partitioning == "replicated"
-        self.plan_cas = self.redis.register_script(PLAN_CAS_SCRIPT)
+        self._plan_cas = self.redis.register_script(PLAN_CAS_SCRIPT)
+        self._plan_stage = self.redis.register_script(PLAN_STAGE_SCRIPT)
         self.ledger = SwarmLedger(grid_of(settings))
         self.subs = LocalSubs(grid_of(settings), self.replicated)
         self.migration = Migration(self)
@@ -243,6 +251,7 @@ class Executor:
         # Our stream is ours again: an adoption of it (we were failed over) ends here.
         self.epoch = int(self.redis.incr(names.fence_key(self.id)))
         self.relay_outbox(self.id)  # before anything reads what a commit of ours wrote
+        self.relay_control()  # a plan change staged by a worker that died before its relay
         self.redis.delete(names.adopter_key(self.id), names.keyword_summaries_key(self.id))
         self.load_plan()
         self.sync_stats()
@@ -263,6 +272,7 @@ class Executor:
                     # A transaction whose reply was lost may have committed: the window log
                     # says which records are ours.
                     self.relay_outbox(self.id)
+                    self.relay_control()
                     self._rebuild_window()
                     self._recover_pending()
                     self._processed_at_start()
@@ -697,6 +707,29 @@ class Executor:
         """Finish the relay of what `owner`'s outbox still holds (see `workers.outbox`)."""
         if self.relayer is not None:
             relay_outbox(self.redis, owner, self.relayer)
+
+    def relay_control(self) -> None:
+        """Finish a staged plan change (`app.pipeline.control`), with outboxes."""
+        if self.relayer is not None and self.relayer.relay_all(names.CONTROL_OUTBOX):
+            log.info("worker %s relayed a staged plan change", self.id)
+
+    def change_plan(self, expected: int, plan_json: str, version: int,
+                    handoffs: list[tuple[str, bytes]], holds: list[tuple[str, str, str]]
+                    ) -> bool:
+        """Publish plan `version` with its handoffs and kNN holds if the stored plan is still
+        `expected` (`app.pipeline.control`): one script, or with outboxes staged and relayed
+        at once (a change another worker left staged is relayed first, and this one
+        refused: its plan is no longer the stored one)."""
+        now = time.time()
+        if self.relayer is None:
+            keys, args = plan_cas_args(expected, plan_json, version, now, names.PLAN_CHANNEL,
+                                       handoffs, holds)
+            return bool(self._plan_cas(keys=keys, args=args))
+        keys, args = plan_stage_args(expected, plan_json, version, now, names.PLAN_CHANNEL,
+                                     handoffs, holds)
+        staged = self._plan_stage(keys=keys, args=args)
+        self.relayer.relay_all(names.CONTROL_OUTBOX)
+        return bool(staged)
 
     def _pending_count(self) -> int:
         summary = self.redis.xpending(self.stream, names.GROUP)

@@ -49,7 +49,8 @@ log = logging.getLogger(__name__)
 
 # KEYS[1] = coordinator lease, KEYS[2] = plan, KEYS[3] = plan history, KEYS[4] = the dead
 # worker's fence, KEYS[5] = its adopter key, KEYS[6] = the adopter's adopted set,
-# KEYS[7..] = receivers' streams.
+# KEYS[7] = the staged plan version (names.PLAN_PENDING: a change staged and not yet relayed
+# stops the failover, whose plan would be replaced by it), KEYS[8..] = receivers' streams.
 # ARGV[1] = lease holder, ARGV[2] = expected plan version, ARGV[3] = expected fence epoch
 # (as read, '' for none), ARGV[4] = new plan JSON, ARGV[5] = new version, ARGV[6] = plan
 # channel, ARGV[7] = history entry, ARGV[8] = history length, ARGV[9] = dead worker,
@@ -61,8 +62,9 @@ local raw = redis.call('GET', KEYS[2])
 if not raw then return 0 end
 if tostring(cjson.decode(raw)['version']) ~= ARGV[2] then return 0 end
 if (redis.call('GET', KEYS[4]) or '') ~= ARGV[3] then return 0 end
-for i = 7, #KEYS do
-  redis.call('XADD', KEYS[i], '*', 'm', ARGV[4 + i])
+if redis.call('EXISTS', KEYS[7]) == 1 then return 0 end
+for i = 8, #KEYS do
+  redis.call('XADD', KEYS[i], '*', 'm', ARGV[3 + i])
 end
 redis.call('SET', KEYS[2], ARGV[4])
 redis.call('RPUSH', KEYS[3], ARGV[7])
@@ -113,7 +115,7 @@ def failover_args(lease_key: str, holder: str, plan: Plan, new: Plan, fence: byt
     adopter = next(iter(given))
     plan_json = new.to_json()
     keys = [lease_key, names.PLAN_KEY, names.PLAN_HISTORY, names.fence_key(dead),
-            names.adopter_key(dead), names.adopted_key(adopter),
+            names.adopter_key(dead), names.adopted_key(adopter), names.PLAN_PENDING,
             *(names.worker_stream(w) for w in given)]
     args: list[Any] = [holder, str(plan.version), (fence or b"").decode(), plan_json,
                        str(new.version), names.PLAN_CHANNEL,

@@ -3,7 +3,8 @@
 mH carries out a plan change itself: one Lua script (`PLAN_CAS_SCRIPT`) appends a handoff
 (the partitions' subscriptions, window statistics and moving objects) to each receiver's
 stream and publishes the next plan version, only if the stored plan is still the version mH
-computed from (ownership is fenced by plan version). mL reads the handoff before anything
+computed from (ownership is fenced by plan version); with outboxes, the same change is staged
+and relayed (`app.pipeline.control`). mL reads the handoff before anything
 routed to it under the new plan; entries still routed to mH under an older plan are
 forwarded unprocessed (`reroute`), each record to the owner of its new position and each
 `exit` decision to the owner of its previous one, so every match is decided exactly once.
@@ -20,7 +21,6 @@ import numpy as np
 from app.geo import balance
 from app.geo.index import GlobalIndex, Partition, Plan
 from app.pipeline import knnreg, names, wire
-from app.pipeline.control import plan_cas_args
 from app.pipeline.router import targets_for_spec
 from workers.decide import known
 from workers.knn import MOVING, KnnSub
@@ -30,6 +30,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+
+PLAN_WAIT_S = 30.0  # how long a handoff may wait for its staged plan to become active
 
 BalanceCommand = wire.ReduceCommand | wire.MoveCommand | wire.SplitCommand | wire.MergeCommand
 
@@ -127,11 +129,20 @@ class Migration:
                 wire.SubsAdded(subs=ms, plan_version=ex.version))})
 
     def _load_plan_of(self, version: int, what: str) -> None:
-        """Load the plan a handoff or takeover was published with (or a newer one)."""
+        """Load the plan a handoff or takeover was published with (or a newer one). With
+        outboxes a handoff is written just before the plan that gives its partitions (a
+        staged change, `app.pipeline.control`): its relay is finished here too (its stager
+        may have died), and the plan read again."""
         ex = self.ex
-        ex.load_plan()
-        if ex.version < version:
-            raise RuntimeError(f"{what} for plan {version} but the stored plan is older")
+        give_up = time.monotonic() + PLAN_WAIT_S
+        while True:
+            ex.load_plan()
+            if ex.version >= version:
+                return
+            if ex.relayer is None or time.monotonic() > give_up:
+                raise RuntimeError(f"{what} for plan {version} but the stored plan is older")
+            ex.relay_control()
+            time.sleep(0.002)
 
     def receive_handoff(self, msg: wire.Handoff, pipe: Any,
                          notify: dict[str, set[str]]) -> None:
@@ -279,10 +290,8 @@ class Migration:
             handoffs.append((names.worker_stream(w), wire.encode_entry(wire.Handoff(
                 plan_version=new_plan.version, sender=ex.id, partitions=[p.id for p in parts],
                 subs=subs, window=win, moving=mv, stats=shipped, holds=sorted(held)))))
-        plan_json = new_plan.to_json()
-        keys, args = plan_cas_args(old.version, plan_json, new_plan.version, time.time(),
-                                   names.PLAN_CHANNEL, handoffs, holds)
-        if not ex.plan_cas(keys=keys, args=args):
+        if not ex.change_plan(old.version, new_plan.to_json(), new_plan.version, handoffs,
+                              holds):
             raise CommandRefused(f"the plan is no longer version {old.version}")
         ex.set_index(GlobalIndex(new_plan))
         if given:

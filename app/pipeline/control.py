@@ -18,6 +18,16 @@ Plan changes are applied by the owner of the partitions concerned with `PLAN_CAS
 appends the handoffs to the receivers' streams, replaces the plan, appends it to the plan
 history and publishes the new version, all atomically, and only if the stored version is still
 the expected one (ownership is fenced by plan version).
+
+With outboxes (a Redis Cluster, where the receivers' streams are in other hash slots than the
+plan), the same change takes two steps that apply it exactly as one: `PLAN_STAGE_SCRIPT`
+checks the version, marks the change staged (`names.PLAN_PENDING`: no other change is staged
+until it is active) and appends one entry to the control outbox (`names.CONTROL_OUTBOX`)
+holding the handoffs, the kNN holds and, last, `PLAN_ACTIVATE_SCRIPT`; relaying the entry
+(`app.pipeline.outbox`) writes the handoffs first and then replaces, records and publishes the
+plan. A receiver therefore reads its handoff before anything routed to it under the new plan,
+as with the single script. Whoever stages relays at once; a worker at its start and the
+coordinator before a failover relay what a stager that died left.
 """
 
 from __future__ import annotations
@@ -25,6 +35,7 @@ from __future__ import annotations
 from typing import Any
 
 from app.pipeline import names
+from app.pipeline.outbox import encode_ops, op, script_sha
 
 # KEYS[1] = plan, KEYS[2] = plan history, KEYS[3..2+n] = the n streams receiving a handoff,
 # KEYS[3+n..] = kNN hashes whose merged list waits for a receiver (app.pipeline.knnreg).
@@ -75,3 +86,43 @@ def plan_cas_args(expected: int, plan_json: str, version: int, now: float, chann
     for _, f, v in holds:
         args += [f, v]
     return keys, args
+
+
+# KEYS[1] = plan, KEYS[2] = staged version (names.PLAN_PENDING), KEYS[3] = control outbox.
+# ARGV[1] = expected version, ARGV[2] = new version, ARGV[3] = the outbox entry (encoded ops).
+# Returns the entry's id, or 0 when the plan is not at the expected version or another
+# change is staged.
+PLAN_STAGE_SCRIPT = """
+local raw = redis.call('GET', KEYS[1])
+if not raw then return 0 end
+if tostring(cjson.decode(raw)['version']) ~= ARGV[1] then return 0 end
+if redis.call('EXISTS', KEYS[2]) == 1 then return 0 end
+redis.call('SET', KEYS[2], ARGV[2])
+return redis.call('XADD', KEYS[3], '*', 'm', ARGV[3])
+"""
+
+# Run by the relay of a staged change, after its handoffs. KEYS[1] = plan, KEYS[2] = plan
+# history, KEYS[3] = staged version. ARGV[1] = plan JSON, ARGV[2] = its version, ARGV[3] = plan
+# channel, ARGV[4] = history entry, ARGV[5] = history length.
+PLAN_ACTIVATE_SCRIPT = """
+redis.call('SET', KEYS[1], ARGV[1])
+redis.call('RPUSH', KEYS[2], ARGV[4])
+redis.call('LTRIM', KEYS[2], -tonumber(ARGV[5]), -1)
+redis.call('DEL', KEYS[3])
+redis.call('PUBLISH', ARGV[3], ARGV[2])
+return 1
+"""
+
+
+def plan_stage_args(expected: int, plan_json: str, version: int, now: float, channel: str,
+                    handoffs: list[tuple[str, bytes]],
+                    holds: list[tuple[str, str, str]] | None = None
+                    ) -> tuple[list[str], list[Any]]:
+    """KEYS and ARGV for PLAN_STAGE_SCRIPT: the change `plan_cas_args` makes in one script."""
+    ops = [op("XADD", stream, "*", "m", payload) for stream, payload in handoffs]
+    ops += [op("HSET", key, f, v) for key, f, v in holds or []]
+    ops.append(op("EVAL", script_sha(PLAN_ACTIVATE_SCRIPT), 3, names.PLAN_KEY,
+                  names.PLAN_HISTORY, names.PLAN_PENDING, plan_json, str(version), channel,
+                  history_entry(plan_json, version, now), str(names.PLAN_HISTORY_MAX)))
+    return ([names.PLAN_KEY, names.PLAN_PENDING, names.CONTROL_OUTBOX],
+            [str(expected), str(version), encode_ops(ops)])

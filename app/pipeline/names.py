@@ -39,6 +39,11 @@ PLAN_CHANNEL = "gs:plan:changed"
 PLAN_HISTORY = "gs:plan:history:" + CONTROL  # list of JSON {"version", "valid_from", "plan"}
 PLAN_HISTORY_MAX = 1000
 PART_SEQ = "gs:partition:seq:" + CONTROL  # counter for new partition ids "p<n>"
+# With outboxes (`app.pipeline.outbox`), a plan change is staged, then activated: the version
+# a staged change will publish (no other change is staged meanwhile), and the outbox of the
+# control steps, whose entry writes the receivers' handoffs and then activates the plan.
+PLAN_PENDING = "gs:plan:pending:" + CONTROL
+CONTROL_OUTBOX = "gs:out:" + CONTROL
 
 # hash worker id -> JSON heartbeat {pid, host, heartbeat, ...}
 WORKERS_KEY = "gs:workers:" + CONTROL

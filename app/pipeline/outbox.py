@@ -13,8 +13,13 @@ outbox apply each group once. An entry is deleted once relayed everywhere.
 
 Groups are relayed in the order of their first command, so a command's effect is visible no
 later than those of the commands queued after it in another slot (records before the history
-entries that refer to them). Scripts in an entry run inside the relay script, which holds
-each as a Lua function (`relay_script`): Redis cannot call a script from a script.
+entries that refer to them, a partition's handoff before the plan that gives it). One
+connection runs its commands in order; on a Redis Cluster, whose pipeline sends each node's
+commands on that node's connection, the groups go in *waves* (`waves`): each a run of
+consecutive groups on one node, a wave sent once the one before it has answered.
+
+Scripts in an entry run inside the relay script, which holds each as a Lua function
+(`relay_script`): Redis cannot call a script from a script.
 
 An entry's commands are stored as length-prefixed strings (`encode_ops`), a form a Lua script
 writes as easily (`ENCODE_OPS_LUA`) as Python does.
@@ -210,6 +215,8 @@ def script_op(raw: list[bytes]) -> list[bytes]:
 class _Relay:
     """What the sync and async relayers share: the relay script for `scripts` and the calls."""
 
+    client: Any
+
     def __init__(self, scripts: Iterable[str]) -> None:
         scripts = list(scripts)
         self.scripts = {script_sha(t) for t in scripts}
@@ -219,6 +226,26 @@ class _Relay:
     def check(self, script: str) -> None:
         if script_sha(script) not in self.scripts:
             raise ValueError("a script queued through an outbox must be given to its relay")
+
+    def waves(self, groups: list[Group]) -> list[list[Group]]:
+        """`groups` cut into runs that one pipeline may send together and still apply in
+        order: all of them on one Redis, each run of consecutive groups on one node on a
+        cluster."""
+        nodes = getattr(self.client, "nodes_manager", None)
+        if nodes is None or len(groups) < 2:
+            return [groups]
+        out: list[list[Group]] = []
+        last = None
+        for g in groups:
+            try:
+                node = nodes.get_node_from_slot(g.slot).name
+            except Exception:  # slot map being refreshed: a wave of its own
+                node = None
+            if node is None or node != last:
+                out.append([])
+            out[-1].append(g)
+            last = node
+        return out
 
     def _queue(self, pipe: Any, outbox: str, eid: str, groups: list[Group]) -> None:
         for g in groups:
@@ -256,9 +283,12 @@ class Relayer(_Relay):
             return _replies(self._send(outbox, _eid(entry_id), groups))
 
     def _send(self, outbox: str, eid: str, groups: list[Group]) -> list[Any]:
-        pipe = self.client.pipeline(transaction=False)
-        self._queue(pipe, outbox, eid, groups)
-        return list(pipe.execute())
+        out: list[Any] = []
+        for wave in self.waves(groups):
+            pipe = self.client.pipeline(transaction=False)
+            self._queue(pipe, outbox, eid, wave)
+            out.extend(pipe.execute())
+        return out
 
     def relay_all(self, outbox: str) -> int:
         """Relay and delete every entry `outbox` holds, in order; returns how many."""
@@ -289,9 +319,12 @@ class AsyncRelayer(_Relay):
             return _replies(await self._send(outbox, _eid(entry_id), groups))
 
     async def _send(self, outbox: str, eid: str, groups: list[Group]) -> list[Any]:
-        pipe = self.client.pipeline(transaction=False)
-        self._queue(pipe, outbox, eid, groups)
-        return list(await pipe.execute())
+        out: list[Any] = []
+        for wave in self.waves(groups):
+            pipe = self.client.pipeline(transaction=False)
+            self._queue(pipe, outbox, eid, wave)
+            out.extend(await pipe.execute())
+        return out
 
     async def relay_all(self, outbox: str) -> int:
         done = 0

@@ -18,6 +18,7 @@ import orjson
 import pytest
 import redis
 
+from app.core.redis import sync_client
 from app.geo.index import Plan, initial_plan
 from app.pipeline import names
 from app.pipeline.cluster import partition_ids
@@ -44,7 +45,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, redis_url: str):  # type: 
 
 
 def plan_of(server: LiveServer) -> Plan:
-    raw = redis.Redis.from_url(server.redis_url).get(names.PLAN_KEY)
+    raw = sync_client(server.redis_url).get(names.PLAN_KEY)
     assert raw is not None
     return Plan.from_json(raw)
 
@@ -63,7 +64,7 @@ def command(server: LiveServer, worker: str, msg: dict[str, Any], timeout: float
     """Send one balancing command as the coordinator would; the worker's reply (None on
     timeout). A worker that has not processed a handoff it received yet refuses: sent
     again, as the coordinator does in its next round."""
-    client = redis.Redis.from_url(server.redis_url)
+    client = sync_client(server.redis_url)
     give_up = time.time() + timeout
     while True:
         plan = plan_of(server)
@@ -159,7 +160,7 @@ async def _moves_during_burst(server: LiveServer, seed: int) -> None:
     plan = plan_of(server)
     plan.validate()
     assert any(p.parent for p in plan.partitions) or plan.version > versions[0]
-    history = redis.Redis.from_url(server.redis_url).lrange(names.PLAN_HISTORY, 0, -1)
+    history = sync_client(server.redis_url).lrange(names.PLAN_HISTORY, 0, -1)
     assert [orjson.loads(h)["version"] for h in history][-1] == plan.version
 
 
@@ -169,7 +170,7 @@ def test_exact_delivery_while_partitions_move_split_and_merge(cluster: LiveServe
 
 def forwarded(server: LiveServer, worker: str) -> int:
     """Records the worker forwarded to a partition's new owner (from its heartbeat)."""
-    raw = redis.Redis.from_url(server.redis_url).hget(names.WORKERS_KEY, worker)
+    raw = sync_client(server.redis_url).hget(names.WORKERS_KEY, worker)
     return int(orjson.loads(raw or b"{}").get("forwarded", 0))
 
 
@@ -238,7 +239,7 @@ def test_paused_worker_around_a_move(cluster: LiveServer) -> None:
 
 def test_round_reports_statistics(cluster: LiveServer) -> None:
     """A round command folds the statistics; the report's per-partition counts add up."""
-    client = redis.Redis.from_url(cluster.redis_url)
+    client = sync_client(cluster.redis_url)
     n = int(client.incr(names.ROUND_SEQ)) + 1000
     plan = plan_of(cluster)
     for w in ("w0", "w1", "w2"):  # a worker may own no partition after the tests above
@@ -356,7 +357,7 @@ def test_a_list_held_alone_is_merged_with_its_distances_of_now(tmp_path: Any,
 async def _sole_holder_refresh(server: LiveServer) -> None:
     from app.geo.geometry import haversine_m
 
-    client = redis.Redis.from_url(server.redis_url)
+    client = sync_client(server.redis_url)
     workers = ["w0", "w1"]
     # 96 m east of the boundary between grid columns 777 and 778 (lon 100.08), inside a
     # partition of the first plan
@@ -462,7 +463,7 @@ async def _knn_history(server: LiveServer) -> None:
     from tests.workers.oracle import knn_oracle, record_keywords
 
     rng = random.Random(4)
-    client = redis.Redis.from_url(server.redis_url)
+    client = sync_client(server.redis_url)
     workers = ["w0", "w1", "w2"]
     key = server.new_key()
     live: dict[str, tuple[float, float, list[str]]] = {}

@@ -1,10 +1,11 @@
 """Towards Redis Cluster: the live path of range and keyword subscriptions on a real 3-primary
 cluster (started from the embedded redis-server binary), with the processes' cluster clients and
 outboxes (`app.pipeline.outbox`). Exact against the brute-force oracle (every match once, the
-HTTP replay too), and through a worker SIGKILLed mid-stream and a client resuming by cursor.
-The cluster is accepted only with GEOSWARM_REDIS_CLUSTER_PREVIEW=1 (balancing, failover, kNN and
-snapshot queries are not there yet on a cluster; without it geoswarm refuses one:
-tests/app/test_redis_cluster_refused.py)."""
+HTTP replay too), through a worker SIGKILLed mid-stream and a client resuming by cursor, and
+while partitions move, split and merge (plan changes staged and relayed in waves,
+`app.pipeline.control`). The cluster is accepted only with GEOSWARM_REDIS_CLUSTER_PREVIEW=1
+(the coordinator, failover, kNN and snapshot queries are not there yet on a cluster; without
+it geoswarm refuses one: tests/app/test_redis_cluster_refused.py)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from app.core.redis import CLUSTER_PREVIEW_ENV
 from app.pipeline import names
 from tests.conftest import LiveServer, start_server
 from tests.redis_cluster import redis_cluster
-from tests.workers import test_pipeline
+from tests.workers import test_balancing, test_pipeline
 
 
 @pytest.fixture(scope="module")
@@ -47,3 +48,12 @@ def test_exact_delivery_on_a_redis_cluster(on_cluster: LiveServer) -> None:
 
 def test_worker_sigkill_and_client_resume_on_a_redis_cluster(on_cluster: LiveServer) -> None:
     asyncio.run(test_pipeline._kill_and_resume(on_cluster))
+
+
+def test_exact_delivery_while_partitions_move_on_a_redis_cluster(on_cluster: LiveServer) -> None:
+    asyncio.run(test_balancing._moves_during_burst(on_cluster, seed=5))
+    client = redis.RedisCluster.from_url(on_cluster.redis_url.rsplit("/", 1)[0])
+    try:
+        assert client.xlen(names.CONTROL_OUTBOX) == 0 and not client.exists(names.PLAN_PENDING)
+    finally:
+        client.close()

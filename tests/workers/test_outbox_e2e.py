@@ -1,8 +1,9 @@
 """The workers committing through their outbox (`workers.outbox`, what a Redis Cluster needs),
 end to end with real processes on a standalone Redis: the exactness scenarios of the pipeline,
-failover and Redis-fault tests pass unchanged against the brute-force oracle (every match
-once) while workers are SIGKILLed, Redis is SIGKILLed and restarted, and replies of applied
-transactions and relays are cut."""
+balancing, failover and Redis-fault tests pass unchanged against the brute-force oracle (every
+match once) while partitions move (plan changes staged and relayed, `app.pipeline.control`),
+workers are SIGKILLed, Redis is SIGKILLed and restarted, and replies of applied transactions
+and relays are cut."""
 
 from __future__ import annotations
 
@@ -17,9 +18,9 @@ import redis
 from app.core.config import Settings
 from app.core.redis import EmbeddedRedis
 from app.pipeline import names
-from app.pipeline.outbox import encode_ops, op
+from app.pipeline.outbox import encode_ops, op, relay_mark_key, slot_of
 from tests.conftest import LiveServer, start_server
-from tests.workers import test_failover, test_pipeline, test_redis_faults
+from tests.workers import test_balancing, test_failover, test_pipeline, test_redis_faults
 from tests.workers.harness import run_on_cluster
 from tests.workers.test_redis_faults import CuttingProxy, own_redis  # noqa: F401 - fixture
 
@@ -54,6 +55,20 @@ def test_worker_sigkill_and_client_resume(pipeline: LiveServer) -> None:
 
 def test_continuous_knn_matches_oracle(pipeline: LiveServer) -> None:
     asyncio.run(test_pipeline._knn(pipeline))
+
+
+def test_exact_delivery_while_partitions_move_split_and_merge(pipeline: LiveServer) -> None:
+    asyncio.run(test_balancing._moves_during_burst(pipeline, seed=3))
+    client = redis.Redis.from_url(pipeline.redis_url)
+    try:  # every change was staged and relayed through the control outbox
+        assert client.hexists(relay_mark(names.PLAN_KEY), names.CONTROL_OUTBOX)
+        assert client.xlen(names.CONTROL_OUTBOX) == 0 and not client.exists(names.PLAN_PENDING)
+    finally:
+        client.close()
+
+
+def relay_mark(key: str) -> str:
+    return relay_mark_key(slot_of(key))
 
 
 @pytest.mark.slow

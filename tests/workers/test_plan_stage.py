@@ -1,0 +1,152 @@
+"""A plan change staged and relayed through the control outbox (`app.pipeline.control`: how a
+partition move is applied where the receivers' streams are in other hash slots than the plan),
+against real Redis: the handoffs are written before the plan that gives their partitions, a
+relay cut short before the plan is finished once by another relayer, no second change is
+staged (nor a failover applied) meanwhile, and a change computed from an older plan is refused
+without writing anything. On a Redis Cluster the relay goes in waves, one node's run of groups
+at a time (`Relayer.waves`)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+import pytest
+import redis
+
+from app.pipeline import names
+from app.pipeline.control import PLAN_ACTIVATE_SCRIPT, PLAN_STAGE_SCRIPT, plan_stage_args
+from app.pipeline.outbox import Group, Relayer, slot_of
+from bench.cluster import own_database
+from workers.failover import FAILOVER_SCRIPT
+
+RECEIVERS = ["w1", "w2"]
+KNN_HASH = names.knn_key("s1")
+
+
+@pytest.fixture
+def client(redis_url: str) -> Iterator[redis.Redis]:
+    """A database of its own on the embedded Redis 6.2 and on Redis 7, holding plan 5."""
+    c = redis.Redis.from_url(own_database(redis_url))
+    c.flushdb()
+    c.set(names.PLAN_KEY, json.dumps({"version": 5, "partitions": []}))
+    c.rpush(names.PLAN_HISTORY, b'{"version":5}')
+    yield c
+    c.flushdb()
+    c.close()
+
+
+def stage(client: redis.Redis, expected: int = 5, version: int = 6) -> Any:
+    handoffs = [(names.worker_stream(w), f"handoff to {w}".encode()) for w in RECEIVERS]
+    holds = [(KNN_HASH, "_h:6:w1", "3")]
+    keys, args = plan_stage_args(expected, json.dumps({"version": version}), version, 1.5,
+                                 names.PLAN_CHANNEL, handoffs, holds)
+    return client.register_script(PLAN_STAGE_SCRIPT)(keys=keys, args=args)
+
+
+def plan_version(client: redis.Redis) -> int:
+    raw = client.get(names.PLAN_KEY)
+    assert raw is not None
+    return int(orjson.loads(raw)["version"])
+
+
+def handoffs(client: redis.Redis) -> list[list[bytes]]:
+    return [[f[b"m"] for _, f in client.xrange(names.worker_stream(w))] for w in RECEIVERS]
+
+
+def test_handoffs_are_written_before_the_plan_and_a_cut_relay_finishes_once(
+        client: redis.Redis) -> None:
+    pubsub = client.pubsub()
+    pubsub.subscribe(names.PLAN_CHANNEL)
+    assert pubsub.get_message(timeout=1)["type"] == "subscribe"  # type: ignore[index]
+    assert stage(client)
+    relayer = Relayer(client, [PLAN_ACTIVATE_SCRIPT])
+    client.script_load(relayer.text)
+    real_send = relayer._send
+    seen: list[int] = []
+
+    def cut(outbox: str, eid: str, groups: list[Group]) -> list[Any]:
+        # the plan's group is the last one: every other group is applied before it
+        assert groups[-1].slot == slot_of(names.PLAN_KEY)
+        assert all(g.slot != slot_of(names.PLAN_KEY) for g in groups[:-1])
+        seen.append(len(groups))
+        real_send(outbox, eid, groups[:-1])
+        raise redis.ConnectionError("the stager died here")
+
+    relayer._send = cut  # type: ignore[method-assign]
+    with pytest.raises(redis.ConnectionError):
+        relayer.relay_all(names.CONTROL_OUTBOX)
+    relayer._send = real_send  # type: ignore[method-assign]
+    assert seen == [4]  # two streams, the kNN hash, the plan (distinct slots)
+    # the receivers hold their handoffs, the plan is not replaced yet, and nothing else can be
+    # staged, nor a failover applied, until the change is active
+    assert handoffs(client) == [[b"handoff to w1"], [b"handoff to w2"]]
+    assert client.hget(KNN_HASH, "_h:6:w1") == b"3"
+    assert plan_version(client) == 5 and client.get(names.PLAN_PENDING) == b"6"
+    assert stage(client) == 0
+    assert failover_refused(client)
+    assert pubsub.get_message(timeout=0.2) is None
+    # another relayer (a worker starting, the coordinator) finishes it, once
+    assert Relayer(client, [PLAN_ACTIVATE_SCRIPT]).relay_all(names.CONTROL_OUTBOX) == 1
+    assert plan_version(client) == 6 and client.get(names.PLAN_PENDING) is None
+    assert orjson.loads(client.lindex(names.PLAN_HISTORY, -1) or b"{}")["version"] == 6
+    assert client.llen(names.PLAN_HISTORY) == 2
+    assert handoffs(client) == [[b"handoff to w1"], [b"handoff to w2"]]
+    message = pubsub.get_message(timeout=2)
+    assert message is not None and message["data"] == b"6"
+    assert relayer.relay_all(names.CONTROL_OUTBOX) == 0
+    assert client.xlen(names.CONTROL_OUTBOX) == 0 and client.llen(names.PLAN_HISTORY) == 2
+    # the next change is computed from plan 6
+    assert stage(client, 6, 7) and relayer.relay_all(names.CONTROL_OUTBOX) == 1
+    assert plan_version(client) == 7
+    pubsub.close()
+
+
+def test_a_change_from_an_older_plan_writes_nothing(client: redis.Redis) -> None:
+    assert stage(client, expected=4) == 0
+    assert client.xlen(names.CONTROL_OUTBOX) == 0 and client.get(names.PLAN_PENDING) is None
+    assert handoffs(client) == [[], []] and plan_version(client) == 5
+
+
+def failover_refused(client: redis.Redis) -> bool:
+    """FAILOVER_SCRIPT with everything else as the coordinator read it, the lease its own."""
+    client.set(names.LEASE_KEY, "coord")
+    keys = [names.LEASE_KEY, names.PLAN_KEY, names.PLAN_HISTORY, names.fence_key("w0"),
+            names.adopter_key("w0"), names.adopted_key("w1"), names.PLAN_PENDING,
+            names.worker_stream("w1")]
+    args = ["coord", "5", "", json.dumps({"version": 6}), "6", names.PLAN_CHANNEL,
+            '{"version":6}', "1000", "w0", "w1", "takeover"]
+    return client.register_script(FAILOVER_SCRIPT)(keys=keys, args=args) == 0
+
+
+@dataclass
+class _Node:
+    name: str
+
+
+class _Nodes:
+    def __init__(self, of_slot: dict[int, str]) -> None:
+        self.of_slot = of_slot
+
+    def get_node_from_slot(self, slot: int) -> _Node:
+        return _Node(self.of_slot[slot])
+
+
+class _ClusterLike:
+    """What `Relayer.waves` reads of a cluster client: the node serving a slot."""
+
+    def __init__(self, of_slot: dict[int, str]) -> None:
+        self.nodes_manager = _Nodes(of_slot)
+
+
+def test_waves_are_runs_of_groups_on_one_node() -> None:
+    nodes = {1: "a", 2: "a", 3: "b", 4: "a", 5: "c", 6: "c"}
+    relayer = Relayer(_ClusterLike(nodes))
+    groups = [Group(s) for s in (1, 2, 3, 4, 5, 6)]
+    assert [[g.slot for g in w] for w in relayer.waves(groups)] == [[1, 2], [3], [4], [5, 6]]
+    # one Redis: one pipeline, whose connection applies the groups in order
+    assert relayer.waves(groups[:1]) == [groups[:1]]
+    assert Relayer(redis.Redis()).waves(groups) == [groups]
