@@ -151,8 +151,9 @@ class Coordinator:
         self._failover = self.redis.register_script(FAILOVER_SCRIPT)
         # with outboxes: a plan change a worker staged and did not relay (it died) is
         # relayed here before a failover, which it would stop (app.pipeline.control)
+        self.cluster = is_cluster(redis_url)
         self.relayer = Relayer(self.redis, (PLAN_ACTIVATE_SCRIPT,)) if (
-            settings.redis_outbox or is_cluster(redis_url)) else None
+            settings.redis_outbox or self.cluster) else None
         self.last_failover_check = 0.0
         self.engine = make_engine(settings)
         self.sessions = make_sessionmaker(self.engine)
@@ -325,8 +326,16 @@ class Coordinator:
         return cluster.partition_ids(last, count)
 
     def send(self, worker: str, msg: wire.Command) -> None:
+        """Append a command for `worker`, fenced by the lease: in the same script on one
+        Redis; on a cluster the worker checks the lease when it reads the command."""
         self.check()
-        entry = self._xadd(keys=[names.LEASE_KEY, names.command_stream(worker)],
+        msg.leader = self.id
+        stream = names.command_stream(worker)
+        if self.cluster:
+            self.redis.xadd(stream, {b"m": wire.encode_command(msg)}, maxlen=COMMAND_MAXLEN,
+                            approximate=True)
+            return
+        entry = self._xadd(keys=[names.LEASE_KEY, stream],
                            args=[self.id, COMMAND_MAXLEN, wire.encode_command(msg)])
         if entry is None:
             raise self.refused()

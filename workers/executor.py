@@ -1224,6 +1224,9 @@ class Executor:
             return
         reply: wire.CommandReply | None = None
         try:
+            if cmd.leader is not None and self.redis.get(names.LEASE_KEY) != cmd.leader.encode():
+                raise CommandRefused(f"sent by coordinator {cmd.leader}, which no longer holds "
+                                     "the lease")
             if isinstance(cmd, wire.RoundCommand):
                 self._report(cmd.round)
             else:

@@ -378,11 +378,15 @@ class CommandBase(msgspec.Struct, tag_field="t", kw_only=True):
     """`plan_version` is the plan the sender saw and `deadline` (unix time) when it stops
     waiting: a worker refuses a command whose version is no longer current or whose deadline
     has passed, so a worker paused through a round never executes a stale decision. The reply
-    (JSON) goes to the list `names.reply_key(reply)`."""
+    (JSON) goes to the list `names.reply_key(reply)`. `leader`: the coordinator that sent it;
+    a worker refuses a command whose sender no longer holds the lease (on a Redis Cluster,
+    where the command stream and the lease are in different hash slots, the send itself
+    cannot be fenced by the lease)."""
 
     plan_version: int | None = msgspec.field(default=None, name="version")
     deadline: float | None = None
     reply: str | None = None
+    leader: str | None = None
 
 
 class RoundCommand(CommandBase, tag="round", kw_only=True):

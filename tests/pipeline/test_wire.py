@@ -55,7 +55,8 @@ def test_short_keys_on_the_wire() -> None:
     cmd = msgspec.msgpack.decode(wire.encode_command(wire.ReduceCommand(
         round=3, to="w1", cost_ml=0.5, r_s=9.0, ids=["p9"], plan_version=2)))
     assert cmd == {"t": "reduce", "n": 3, "to": "w1", "c_ml": 0.5, "r_s": 9.0, "ids": ["p9"],
-                   "version": 2, "deadline": None, "reply": None}
+                   "version": 2, "deadline": None, "reply": None,
+                   "leader": None}
 
 
 COMMANDS: list[wire.Command] = [

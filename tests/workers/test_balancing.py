@@ -237,6 +237,25 @@ def test_paused_worker_around_a_move(cluster: LiveServer) -> None:
     asyncio.run(_paused_owner(cluster))
 
 
+def test_a_command_from_a_coordinator_without_the_lease_is_refused(cluster: LiveServer
+                                                                     ) -> None:
+    """Commands carry their coordinator's id; a worker carries out none whose sender no longer
+    holds the lease (a deposed leader's decision), whatever its plan version."""
+    plan = plan_of(cluster)
+    w = plan.partitions[0].worker
+    sync_client(cluster.redis_url).set(names.LEASE_KEY, "coordinator-b")
+    try:
+        reply = command(cluster, w, {"t": "merge", "leader": "coordinator-a"})
+        assert reply is not None and not reply["ok"], reply
+        assert reply["error"] == ("sent by coordinator coordinator-a, which no longer holds "
+                                  "the lease"), reply
+        reply = command(cluster, w, {"t": "merge", "leader": "coordinator-b"})
+        assert reply is not None and reply["ok"], reply
+    finally:
+        sync_client(cluster.redis_url).delete(names.LEASE_KEY)
+    assert plan_of(cluster).version >= plan.version
+
+
 def test_round_reports_statistics(cluster: LiveServer) -> None:
     """A round command folds the statistics; the report's per-partition counts add up."""
     client = sync_client(cluster.redis_url)

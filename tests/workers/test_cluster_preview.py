@@ -3,15 +3,18 @@ cluster (started from the embedded redis-server binary), with the processes' clu
 outboxes (`app.pipeline.outbox`). Exact against the brute-force oracle (every match once, the
 HTTP replay too), through a worker SIGKILLed mid-stream and a client resuming by cursor, and
 while partitions move, split and merge (plan changes staged and relayed in waves,
-`app.pipeline.control`). The cluster is accepted only with GEOSWARM_REDIS_CLUSTER_PREVIEW=1
-(the coordinator, failover, kNN and snapshot queries are not there yet on a cluster; without
-it geoswarm refuses one: tests/app/test_redis_cluster_refused.py)."""
+`app.pipeline.control`), by commands and by the coordinator's rounds. The cluster is accepted
+only with GEOSWARM_REDIS_CLUSTER_PREVIEW=1 (failover, kNN and snapshot queries are not there
+yet on a cluster; without it geoswarm refuses one: tests/app/test_redis_cluster_refused.py)."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterator
+from typing import Any
 
+import httpx
 import pytest
 import redis
 
@@ -19,7 +22,7 @@ from app.core.redis import CLUSTER_PREVIEW_ENV
 from app.pipeline import names
 from tests.conftest import LiveServer, start_server
 from tests.redis_cluster import redis_cluster
-from tests.workers import test_balancing, test_pipeline
+from tests.workers import test_balancer_e2e, test_balancing, test_pipeline
 
 
 @pytest.fixture(scope="module")
@@ -57,3 +60,27 @@ def test_exact_delivery_while_partitions_move_on_a_redis_cluster(on_cluster: Liv
         assert client.xlen(names.CONTROL_OUTBOX) == 0 and not client.exists(names.PLAN_PENDING)
     finally:
         client.close()
+
+
+def test_coordinator_rounds_move_partitions_on_a_redis_cluster(on_cluster: LiveServer) -> None:
+    """The leader coordinator's rounds (its commands sent unfenced, checked against the lease
+    by the workers) move and split partitions under a moving hotspot, exactly (last in this
+    module: the tests above send their commands themselves)."""
+    r = httpx.put(on_cluster.base_url + "/v1/admin/balancer", headers=on_cluster.admin(),
+                  json={"period_s": 0.5, "beta": 1}, timeout=10)
+    assert r.status_code == 200, r.text
+    on_cluster.start_coordinator()
+    assert test_balancer_e2e.wait_leader(on_cluster) is not None
+    start = test_balancing.plan_of(on_cluster).version
+    seen: dict[tuple[int, float], dict[str, Any]] = {}
+
+    def during(i: int) -> None:  # the admin API lists the last rounds only: read them now
+        time.sleep(0.1)
+        if i % 4 == 3:
+            rounds = test_balancer_e2e.balancer(on_cluster)["rounds"]
+            seen.update(((r["round"], r["time"]), r) for r in rounds)
+
+    asyncio.run(test_balancer_e2e._stream(on_cluster, 21, 40, during))
+    actions = [seen[n]["action"] for n in sorted(seen)]
+    assert any(a in ("move", "split") for a in actions), actions
+    assert test_balancing.plan_of(on_cluster).version > start
