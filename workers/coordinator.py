@@ -35,7 +35,14 @@ from app.models import BalancerRound
 from app.pipeline import cluster, names, wire
 from app.pipeline.control import PLAN_ACTIVATE_SCRIPT
 from app.pipeline.outbox import Relayer
-from workers.failover import FAILOVER_SCRIPT, failover_args, failover_plan
+from workers.failover import (
+    FAILOVER_SCRIPT,
+    FAILOVER_STAGE_SCRIPT,
+    FENCE_TAKE_SCRIPT,
+    failover_args,
+    failover_plan,
+    failover_stage_args,
+)
 from workers.lease import LEASE_SOCKET_TIMEOUT_S, Lease, LostLease
 
 log = logging.getLogger(__name__)
@@ -152,8 +159,9 @@ class Coordinator:
         # with outboxes: a plan change a worker staged and did not relay (it died) is
         # relayed here before a failover, which it would stop (app.pipeline.control)
         self.cluster = is_cluster(redis_url)
-        self.relayer = Relayer(self.redis, (PLAN_ACTIVATE_SCRIPT,)) if (
+        self.relayer = Relayer(self.redis, (PLAN_ACTIVATE_SCRIPT, FENCE_TAKE_SCRIPT)) if (
             settings.redis_outbox or self.cluster) else None
+        self._failover_stage = self.redis.register_script(FAILOVER_STAGE_SCRIPT)
         self.last_failover_check = 0.0
         self.engine = make_engine(settings)
         self.sessions = make_sessionmaker(self.engine)
@@ -396,6 +404,9 @@ class Coordinator:
             return  # no partitions: objects are spread over every worker by id
         if self.relayer is not None and self.relayer.relay_all(names.CONTROL_OUTBOX):
             log.info("coordinator %s relayed a staged plan change", self.id)
+        # with outboxes, the workers' starts are read first: a worker that starts after this
+        # read (and before the failover is staged) makes the staging fail
+        starts = self.redis.hgetall(names.WORKER_STARTS) if self.relayer is not None else {}
         plan = self.plan()
         if plan is None:
             return
@@ -412,9 +423,18 @@ class Coordinator:
         fence = self.redis.get(names.fence_key(w))
         count = sum(p.worker == w for p in plan.partitions)
         new, given = failover_plan(plan, w, live, iter(self.new_ids(plan, count)))
-        keys, args = failover_args(names.LEASE_KEY, self.id, plan, new, fence, w, given, now)
-        if not int(self._failover(keys=keys, args=args)):
-            log.info("failover of %s not applied: the plan, its fence or the lease changed", w)
+        if self.relayer is None:
+            keys, args = failover_args(names.LEASE_KEY, self.id, plan, new, fence, w, given, now)
+            applied = bool(int(self._failover(keys=keys, args=args)))
+        else:
+            keys, args = failover_stage_args(names.LEASE_KEY, self.id, plan, new, fence,
+                                             starts.get(w.encode()), w, given, now)
+            applied = bool(self._failover_stage(keys=keys, args=args))
+            if applied:
+                self.relayer.relay_all(names.CONTROL_OUTBOX)
+        if not applied:
+            log.info("failover of %s not applied: the plan, its fence, its starts or the lease "
+                     "changed", w)
             return
         adopter = next(iter(given))
         rec = RoundRecord(round=self.next_round(), started_at=now, kind="failover",

@@ -50,6 +50,7 @@ from app.services.subscriptions import all_live
 from workers.archiving import Archiver
 from workers.decide import Matches, decide
 from workers.failover import (
+    FENCE_TAKE_SCRIPT,
     Adoption,
     Fenced,
     check_fence,
@@ -169,6 +170,7 @@ def by_history_group(sub_ids: list[str], refs: list[bytes]) -> tuple[list[str], 
 # before it answers the query's part (`_answer_straight`).
 COUNTS_REPORT_S = 0.5
 READ_COUNT = 256  # entries read from each stream at once
+ADOPTED_BLOCK_MS = 20  # on a Redis Cluster with adopted streams: how long a read of ours blocks
 MAINTENANCE_S = 5.0  # trimming, expiry and the replay of entries left pending
 SUMMARY_S = 0.2  # how often the keyword summaries of changed subscriptions are written
 TOMBSTONE_S = 6 * 3600.0  # how long a deleted subscription id is remembered (late sub+ copies)
@@ -197,9 +199,10 @@ class Executor:
         self.knn: dict[str, KnnState] = {}
         self._history = self.redis.register_script(HISTORY_SCRIPT)
         # the scripts a commit may queue (see `commit_pipe`)
+        self.cluster = is_cluster(redis_url)
         self.relayer = Relayer(self.redis, (HISTORY_SCRIPT, MERGE_SCRIPT, DROP_WORKER_SCRIPT,
-                                            PLAN_ACTIVATE_SCRIPT)
-                               ) if settings.redis_outbox or is_cluster(redis_url) else None
+                                            PLAN_ACTIVATE_SCRIPT, FENCE_TAKE_SCRIPT)
+                               ) if settings.redis_outbox or self.cluster else None
         self.pending_history: list[tuple[str, int, list[str], list[bytes], dict[str, bytes]]] = []
         # Snapshot queries: the window's records, those of the entries being processed (kept
         # once their transaction commits) and the queries among them, each with the number of
@@ -250,8 +253,13 @@ class Executor:
         self._ensure_group()
         # Our stream is ours again: an adoption of it (we were failed over) ends here.
         self.epoch = int(self.redis.incr(names.fence_key(self.id)))
+        if self.relayer is not None:
+            # Counted after the fence and before the plan is read: a failover of ours decided
+            # before this is refused, one staged before it is active once relayed below
+            # (`workers.failover`).
+            self.redis.hincrby(names.WORKER_STARTS, self.id, 1)
         self.relay_outbox(self.id)  # before anything reads what a commit of ours wrote
-        self.relay_control()  # a plan change staged by a worker that died before its relay
+        self.relay_control()  # a plan change staged by a process that died before its relay
         self.redis.delete(names.adopter_key(self.id), names.keyword_summaries_key(self.id))
         self.load_plan()
         self.sync_stats()
@@ -520,15 +528,26 @@ class Executor:
     def _step(self) -> None:
         # Commands are read in the same call as objects: an idle worker wakes at once, a busy
         # one sees them after the current batch, not behind its whole backlog.
-        streams = {self.stream: ">", self.cmd_stream: ">", self.query_stream: ">",
-                   **{a.stream: ">" for a in self.adoptions.values()}}
+        streams = {self.stream: ">", self.cmd_stream: ">", self.query_stream: ">"}
+        adopted = {a.stream: ">" for a in self.adoptions.values()}
         # A report of the counts that is due does not wait behind an idle stream.
         block = 1000 if not self.straight else 10
         if self.records.changed:
             wait = COUNTS_REPORT_S - (time.time() - self.reported[1])
             block = max(1, min(block, int(wait * 1000) + 1))
-        reply = self.redis.xreadgroup(names.GROUP, self.id, streams, count=READ_COUNT,
-                                      block=block)
+        if self.cluster and adopted:
+            # Our streams share our slot, an adopted one is in its dead worker's: one read
+            # each (the adopted ones first, without blocking; ours then briefly).
+            reply: list[Any] = []
+            for stream in adopted:
+                reply += self.redis.xreadgroup(names.GROUP, self.id, {stream: ">"},
+                                               count=READ_COUNT) or []
+            reply += self.redis.xreadgroup(names.GROUP, self.id, streams, count=READ_COUNT,
+                                           block=1 if reply else min(block, ADOPTED_BLOCK_MS)
+                                           ) or []
+        else:
+            reply = self.redis.xreadgroup(names.GROUP, self.id, {**streams, **adopted},
+                                          count=READ_COUNT, block=block)
         # Commands first: entries read in the same call that a move made stale are then
         # forwarded (either order is correct; this one never delays a command behind a batch).
         by_stream = {(s.decode() if isinstance(s, bytes) else s): e for s, e in reply or []}

@@ -6,7 +6,8 @@ gives each of its partitions, under a fresh id, to a live worker (fewest partiti
 appends a `wire.Takeover` to each receiver's stream before anything routed under that plan,
 takes the dead worker's fence epoch (`names.fence_key`) and names an adopter. All of it only
 if the plan, the coordinator's lease and the fence are still what the decision was made on:
-a worker that restarted meanwhile has taken its fence, and keeps its partitions.
+a worker that restarted meanwhile has taken its fence, and keeps its partitions. With outboxes
+(a Redis Cluster) the same failover is staged and relayed (`FAILOVER_STAGE_SCRIPT`).
 
 - The receivers rebuild what a handoff would have carried (SWARM §5.1) from the sources of
   truth: the partitions' range subscriptions from SQL, their moving objects from the
@@ -37,7 +38,8 @@ from app.archive.layout import NO_CUT
 from app.geo.grid import Grid
 from app.geo.index import Partition, Plan
 from app.pipeline import names, wire
-from app.pipeline.control import history_entry
+from app.pipeline.control import activate_op, history_entry
+from app.pipeline.outbox import encode_ops, op, script_sha
 from app.pipeline.router import grid_of
 from workers.archiving import Archiver
 from workers.records import RecordWindow
@@ -75,6 +77,61 @@ redis.call('SADD', KEYS[6], ARGV[9])
 redis.call('PUBLISH', ARGV[6], ARGV[5])
 return epoch
 """
+
+
+# With outboxes (a Redis Cluster: the fence is in the dead worker's slot, the adopted set in
+# the adopter's, the streams in the receivers', the plan in the control slot) the failover is
+# staged in the control slot, then relayed (`app.pipeline.control`): the fence is taken first,
+# then the adoption is recorded and the takeovers appended, and last the plan activated.
+# KEYS[1] = lease, KEYS[2] = plan, KEYS[3] = staged version, KEYS[4] = starts of the workers,
+# KEYS[5] = control outbox. ARGV[1] = lease holder, ARGV[2] = expected plan version,
+# ARGV[3] = dead worker, ARGV[4] = its starts as read ('' for none), ARGV[5] = new version,
+# ARGV[6] = the outbox entry. A worker starting counts its start before it relays the control
+# outbox, takes its fence and reads the plan: a failover decided before a start of the worker
+# is refused here, and one staged before it is active when the worker reads the plan.
+# Returns the entry's id, or 0 when anything changed since the decision.
+FAILOVER_STAGE_SCRIPT = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+local raw = redis.call('GET', KEYS[2])
+if not raw then return 0 end
+if tostring(cjson.decode(raw)['version']) ~= ARGV[2] then return 0 end
+if redis.call('EXISTS', KEYS[3]) == 1 then return 0 end
+if (redis.call('HGET', KEYS[4], ARGV[3]) or '') ~= ARGV[4] then return 0 end
+redis.call('SET', KEYS[3], ARGV[5])
+return redis.call('XADD', KEYS[5], '*', 'm', ARGV[6])
+"""
+
+# The first command of a staged failover, in the dead worker's slot. KEYS[1] = its fence,
+# KEYS[2] = its adopter key. ARGV[1] = the fence as read ('' for none), ARGV[2] = adopter.
+FENCE_TAKE_SCRIPT = """
+if (redis.call('GET', KEYS[1]) or '') ~= ARGV[1] then return 0 end
+redis.call('SET', KEYS[2], ARGV[2])
+return redis.call('INCR', KEYS[1])
+"""
+
+
+def failover_stage_args(lease_key: str, holder: str, plan: Plan, new: Plan,
+                        fence: bytes | None, starts: bytes | None, dead: str,
+                        given: dict[str, list[str]], now: float
+                        ) -> tuple[list[str], list[Any]]:
+    """KEYS and ARGV of FAILOVER_STAGE_SCRIPT: the change FAILOVER_SCRIPT makes in one step."""
+    adopter = next(iter(given))
+    plan_json = new.to_json()
+    ops = [op("EVAL", script_sha(FENCE_TAKE_SCRIPT), 2, names.fence_key(dead),
+              names.adopter_key(dead), (fence or b"").decode(), adopter),
+           op("SADD", names.adopted_key(adopter), dead)]
+    ops += [op("XADD", names.worker_stream(w), "*", "m", _takeover(new, dead, adopter, pids))
+            for w, pids in given.items()]
+    ops.append(activate_op(plan_json, new.version, now))
+    keys = [lease_key, names.PLAN_KEY, names.PLAN_PENDING, names.WORKER_STARTS,
+            names.CONTROL_OUTBOX]
+    return keys, [holder, str(plan.version), dead, (starts or b"").decode(), str(new.version),
+                  encode_ops(ops)]
+
+
+def _takeover(new: Plan, dead: str, adopter: str, pids: list[str]) -> bytes:
+    return wire.encode_entry(wire.Takeover(plan_version=new.version, dead=dead,
+                                           adopter=adopter, partitions=pids))
 
 
 class Fenced(Exception):
@@ -120,10 +177,8 @@ def failover_args(lease_key: str, holder: str, plan: Plan, new: Plan, fence: byt
     args: list[Any] = [holder, str(plan.version), (fence or b"").decode(), plan_json,
                        str(new.version), names.PLAN_CHANNEL,
                        history_entry(plan_json, new.version, now), str(names.PLAN_HISTORY_MAX),
-                       dead, adopter,
-                       *(wire.encode_entry(wire.Takeover(plan_version=new.version, dead=dead,
-                                                         adopter=adopter, partitions=pids))
-                         for pids in given.values())]
+                       dead, adopter, *(_takeover(new, dead, adopter, pids)
+                                        for pids in given.values())]
     return keys, args
 
 

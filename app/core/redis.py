@@ -178,8 +178,8 @@ def _cluster_message(url: str) -> str:
 
 
 # Set to 1 by geoswarm's own tests of the work towards Redis Cluster: a cluster is then
-# accepted, with outboxes (`app.pipeline.outbox`). Not for users: failover, kNN subscriptions
-# and snapshot queries do not work on one yet (docs/architecture.md, "Outboxes").
+# accepted, with outboxes (`app.pipeline.outbox`). Not for users: kNN subscriptions, snapshot
+# queries and dead-letter replays do not work on one yet (docs/architecture.md, "Outboxes").
 CLUSTER_PREVIEW_ENV = "GEOSWARM_REDIS_CLUSTER_PREVIEW"
 
 
@@ -276,6 +276,19 @@ def async_client(url: str) -> Any:
         retry=AsyncRetry(ExponentialWithJitterBackoff(base=0.02, cap=0.5), 3),
         retry_on_error=[redis.ConnectionError, redis.TimeoutError],
     )
+
+
+def async_blocking_client(url: str, socket_timeout: float) -> Any:
+    """An asyncio client of its own for a long blocking call (BLPOP), so that the wait holds
+    none of the shared pool's connections: one connection, or on a Redis Cluster a client
+    that follows its slots."""
+    if is_cluster(url):
+        from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
+
+        return AsyncRedisCluster.from_url(_cluster_url(url), socket_connect_timeout=2,
+                                          socket_timeout=socket_timeout)
+    return aioredis.Redis.from_url(url, socket_connect_timeout=2, socket_timeout=socket_timeout,
+                                   single_connection_client=True)
 
 
 def sync_client(url: str, socket_timeout: float = 30) -> Any:

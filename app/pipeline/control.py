@@ -121,8 +121,14 @@ def plan_stage_args(expected: int, plan_json: str, version: int, now: float, cha
     """KEYS and ARGV for PLAN_STAGE_SCRIPT: the change `plan_cas_args` makes in one script."""
     ops = [op("XADD", stream, "*", "m", payload) for stream, payload in handoffs]
     ops += [op("HSET", key, f, v) for key, f, v in holds or []]
-    ops.append(op("EVAL", script_sha(PLAN_ACTIVATE_SCRIPT), 3, names.PLAN_KEY,
-                  names.PLAN_HISTORY, names.PLAN_PENDING, plan_json, str(version), channel,
-                  history_entry(plan_json, version, now), str(names.PLAN_HISTORY_MAX)))
+    ops.append(activate_op(plan_json, version, now, channel))
     return ([names.PLAN_KEY, names.PLAN_PENDING, names.CONTROL_OUTBOX],
             [str(expected), str(version), encode_ops(ops)])
+
+
+def activate_op(plan_json: str, version: int, now: float,
+                channel: str = names.PLAN_CHANNEL) -> list[bytes]:
+    """The last command of a staged change's outbox entry: PLAN_ACTIVATE_SCRIPT."""
+    return op("EVAL", script_sha(PLAN_ACTIVATE_SCRIPT), 3, names.PLAN_KEY, names.PLAN_HISTORY,
+              names.PLAN_PENDING, plan_json, str(version), channel,
+              history_entry(plan_json, version, now), str(names.PLAN_HISTORY_MAX))

@@ -44,6 +44,9 @@ PART_SEQ = "gs:partition:seq:" + CONTROL  # counter for new partition ids "p<n>"
 # control steps, whose entry writes the receivers' handoffs and then activates the plan.
 PLAN_PENDING = "gs:plan:pending:" + CONTROL
 CONTROL_OUTBOX = "gs:out:" + CONTROL
+# hash worker -> how many times it started (with outboxes: a failover staged from a decision
+# made before a start of the worker is refused, `workers.failover`)
+WORKER_STARTS = "gs:workers:starts:" + CONTROL
 
 # hash worker id -> JSON heartbeat {pid, host, heartbeat, ...}
 WORKERS_KEY = "gs:workers:" + CONTROL

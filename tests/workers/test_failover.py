@@ -19,7 +19,7 @@ import httpx
 import pytest
 import redis
 
-from app.core.redis import EmbeddedRedis
+from app.core.redis import EmbeddedRedis, sync_client
 from app.geo.index import Grid, Partition, Plan, initial_plan
 from app.pipeline import names
 from tests.conftest import LiveServer, auth
@@ -83,9 +83,11 @@ async def count_all(client: httpx.AsyncClient, key: str) -> int:
     return int(r.json()["results"][0]["count"])
 
 
-async def _scenario(server: LiveServer) -> None:
+async def _scenario(server: LiveServer, knn: bool = True, counts: bool = True) -> None:
+    """`knn`: with the kNN tenant; `counts`: with snapshot count queries (neither works on a
+    Redis Cluster yet)."""
     rng = random.Random(11)
-    store = redis.Redis.from_url(server.redis_url)
+    store = sync_client(server.redis_url)
     server.start_coordinator()
     key = server.new_key()
     oracle = Oracle()
@@ -111,13 +113,16 @@ async def _scenario(server: LiveServer) -> None:
                       "lat": rng.uniform(-1.2, 1.2), "ts": clock[0],
                       "keywords": rng.sample(["taxi", "bus"], rng.randint(0, 2))}
                      for i in rng.sample(range(30), 10)]
-            r = await client.post("/v1/objects", json={"objects": moves}, headers=auth(key_knn))
-            assert r.status_code == 202, r.text
-            for m in moves:
-                vehicles[m["id"]] = (m["lon"], m["lat"], m["keywords"])
+            if knn:
+                r = await client.post("/v1/objects", json={"objects": moves},
+                                      headers=auth(key_knn))
+                assert r.status_code == 202, r.text
+                for m in moves:
+                    vehicles[m["id"]] = (m["lon"], m["lat"], m["keywords"])
             await asyncio.sleep(0.05)
 
     def knn_last(sid: str) -> list[str] | None:
+        assert knn_listener is not None
         msgs = [m for m in knn_listener.messages if m["type"] == "knn"
                 and m["subscription"] == sid]
         return [n["id"] for n in msgs[-1]["neighbors"]] if msgs else None
@@ -126,6 +131,8 @@ async def _scenario(server: LiveServer) -> None:
         await wait_for(lambda: len(listener.matches()) >= oracle.total(), 60)
         await asyncio.sleep(0.5)  # anything extra would arrive now
         assert_exact(received_matches(listener.messages), oracle)
+        if not knn:
+            return
         want = {sid: knn_oracle(spec, vehicles) for sid, spec in zip(knn_ids, knn_specs,
                                                                       strict=True)}
         assert await wait_for(lambda: all(knn_last(s) == want[s] for s in knn_ids), 30), (
@@ -136,7 +143,11 @@ async def _scenario(server: LiveServer) -> None:
         listener = Listener(server.ws_url, key)
         await listener.connect()
         await listener.listen(all=True)
-        knn_ids, knn_listener = await subscribe_listening(server, client, key_knn, knn_specs)
+        knn_ids: list[str] = []
+        knn_listener: Listener | None = None
+        if knn:
+            knn_ids, knn_listener = await subscribe_listening(server, client, key_knn,
+                                                              knn_specs)
         await burst(client, 6)
 
         # 1. w1 dies for good, in the middle of the load
@@ -146,7 +157,8 @@ async def _scenario(server: LiveServer) -> None:
         assert store.get(names.adopter_key("w1")) is not None
         await burst(client, 6)
         await delivered(listener)
-        assert await count_all(client, key) == published  # w1's window answered by its adopter
+        # w1's window answered by its adopter
+        assert not counts or await count_all(client, key) == published
         rounds = httpx.get(server.base_url + "/v1/admin/balancer", headers=server.admin()
                            ).json()["rounds"]
         assert any(r.get("action") == "failover" for r in rounds), rounds
@@ -163,7 +175,7 @@ async def _scenario(server: LiveServer) -> None:
         assert "w1" in owners(server)
         await burst(client, 6)
         await delivered(listener)
-        assert await count_all(client, key) == published
+        assert not counts or await count_all(client, key) == published
 
         # 3. w2 stops (a stalled machine) past the dead-after time: failed over while alive
         server.kill("w2", signal.SIGSTOP)
@@ -177,9 +189,10 @@ async def _scenario(server: LiveServer) -> None:
         assert await wait_for(lambda: store.get(names.adopter_key("w2")) is None, 30)
         await burst(client, 4)
         await delivered(listener)
-        assert await count_all(client, key) == published
+        assert not counts or await count_all(client, key) == published
         await listener.close()
-        await knn_listener.close()
+        if knn_listener is not None:
+            await knn_listener.close()
     store.close()
 
 

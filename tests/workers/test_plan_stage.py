@@ -3,8 +3,9 @@ partition move is applied where the receivers' streams are in other hash slots t
 against real Redis: the handoffs are written before the plan that gives their partitions, a
 relay cut short before the plan is finished once by another relayer, no second change is
 staged (nor a failover applied) meanwhile, and a change computed from an older plan is refused
-without writing anything. On a Redis Cluster the relay goes in waves, one node's run of groups
-at a time (`Relayer.waves`)."""
+without writing anything. A staged failover (`workers.failover`) is refused when the dead worker
+started after the decision, and takes the fence before the takeovers and the plan. On a Redis
+Cluster the relay goes in waves, one node's run of groups at a time (`Relayer.waves`)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import redis
 
 from app.pipeline import names
 from app.pipeline.control import PLAN_ACTIVATE_SCRIPT, PLAN_STAGE_SCRIPT, plan_stage_args
-from app.pipeline.outbox import Group, Relayer, slot_of
+from app.pipeline.outbox import Group, Relayer, decode_ops, group_ops, slot_of
 from bench.cluster import own_database
 from workers.failover import FAILOVER_SCRIPT
 
@@ -150,3 +151,60 @@ def test_waves_are_runs_of_groups_on_one_node() -> None:
     # one Redis: one pipeline, whose connection applies the groups in order
     assert relayer.waves(groups[:1]) == [groups[:1]]
     assert Relayer(redis.Redis()).waves(groups) == [groups]
+
+
+def stage_failover(client: redis.Redis, starts: bytes | None, fence: bytes | None) -> Any:
+    from app.geo.index import Grid, initial_plan
+    from workers.failover import FAILOVER_STAGE_SCRIPT, failover_plan, failover_stage_args
+
+    plan = initial_plan(Grid(nx=10, ny=10), ["w0", "w1", "w2"])
+    plan.version = 5
+    new, given = failover_plan(plan, "w0", ["w1", "w2"], iter(["n1", "n2"]))
+    keys, args = failover_stage_args(names.LEASE_KEY, "coord", plan, new, fence, starts, "w0",
+                                     given, 1.5)
+    return client.register_script(FAILOVER_STAGE_SCRIPT)(keys=keys, args=args), given
+
+
+def test_a_staged_failover_takes_the_fence_then_hands_over_then_activates(
+        client: redis.Redis) -> None:
+    """Refused when the dead worker started after the decision (its starts moved) or the lease
+    is another's; applied in order otherwise: fence, adopter, takeovers, plan."""
+    from workers.failover import FENCE_TAKE_SCRIPT
+
+    client.set(names.LEASE_KEY, "coord")
+    client.hset(names.WORKER_STARTS, "w0", 3)
+    client.set(names.fence_key("w0"), 4)
+    assert stage_failover(client, b"2", b"4")[0] == 0  # decided before its last start
+    client.set(names.LEASE_KEY, "another")
+    assert stage_failover(client, b"3", b"4")[0] == 0
+    client.set(names.LEASE_KEY, "coord")
+    assert client.xlen(names.CONTROL_OUTBOX) == 0 and client.get(names.PLAN_PENDING) is None
+    entry, given = stage_failover(client, b"3", b"4")
+    assert entry and client.get(names.PLAN_PENDING) == b"6"
+    adopter = next(iter(given))
+    relayer = Relayer(client, [PLAN_ACTIVATE_SCRIPT, FENCE_TAKE_SCRIPT])
+    ((_, fields),) = client.xrange(names.CONTROL_OUTBOX)
+    groups = group_ops(decode_ops(fields[b"m"]))
+    first = {slot_of(names.fence_key("w0"))}
+    assert {groups[0].slot} == first and groups[-1].slot == slot_of(names.PLAN_KEY)
+    assert relayer.relay_all(names.CONTROL_OUTBOX) == 1
+    assert client.get(names.fence_key("w0")) == b"5"
+    assert client.get(names.adopter_key("w0")) == adopter.encode()
+    assert client.smembers(names.adopted_key(adopter)) == {b"w0"}
+    for w in given:
+        assert client.xlen(names.worker_stream(w)) == 1
+    assert plan_version(client) == 6 and client.get(names.PLAN_PENDING) is None
+
+
+def test_a_fence_taken_back_meanwhile_is_left_alone(client: redis.Redis) -> None:
+    """FENCE_TAKE_SCRIPT, the failover's first command, changes nothing when the fence is no
+    longer the one read (the worker took it back at its start)."""
+    from workers.failover import FENCE_TAKE_SCRIPT
+
+    take = client.register_script(FENCE_TAKE_SCRIPT)
+    client.set(names.fence_key("w0"), 5)
+    keys = [names.fence_key("w0"), names.adopter_key("w0")]
+    assert take(keys=keys, args=["4", "w1"]) == 0
+    assert client.get(names.fence_key("w0")) == b"5" and not client.exists(keys[1])
+    assert take(keys=keys, args=["5", "w1"]) == 6
+    assert client.get(keys[1]) == b"w1"

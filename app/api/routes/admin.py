@@ -13,7 +13,6 @@ from typing import Annotated, Any
 
 import msgspec
 import orjson
-import redis.asyncio as aioredis
 from fastapi import APIRouter, Body, Query, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -26,6 +25,7 @@ from app.api.deps import AdminDep, StateDep, StrictJSONRoute
 from app.api.openapi import ADMIN, BODY, errors
 from app.archive.layout import ArchiveStore, decode_cut, read_layout
 from app.core.errors import ApiError, Conflict, NotFound, Unavailable
+from app.core.redis import async_blocking_client
 from app.core.state import AppState, require_plan
 from app.geo.index import GlobalIndex, Partition
 from app.models import BalancerRound
@@ -367,8 +367,7 @@ async def rebalance(body: Annotated[RebalanceIn, Body(openapi_examples={
     timeout = state.settings.admin_rebalance_timeout_s
     # A connection of its own: the shared pool's socket timeout is shorter than the BLPOP, and
     # a 30 s wait must not hold one of its connections.
-    conn = aioredis.Redis.from_url(state.redis_url, socket_connect_timeout=2,
-                                   socket_timeout=timeout + 10, single_connection_client=True)
+    conn = async_blocking_client(state.redis_url, timeout + 10)
     try:
         await conn.rpush(names.REQUESTS_KEY, payload)
         answer = await conn.blpop([names.reply_key(token)], timeout=timeout)
