@@ -260,6 +260,7 @@ class Executor:
             self.redis.hincrby(names.WORKER_STARTS, self.id, 1)
         self.relay_outbox(self.id)  # before anything reads what a commit of ours wrote
         self.relay_control()  # a plan change staged by a process that died before its relay
+        self.relay_history_outboxes()
         self.redis.delete(names.adopter_key(self.id), names.keyword_summaries_key(self.id))
         self.load_plan()
         self.sync_stats()
@@ -581,6 +582,7 @@ class Executor:
             # restored Redis) is replayed now rather than when the worker restarts.
             if self._pending_count():
                 self._recover_pending()
+            self.relay_history_outboxes()
             self._trim(now)
             self._expire_window(now)
             for adoption in list(self.adoptions.values()):
@@ -726,6 +728,19 @@ class Executor:
         """Finish the relay of what `owner`'s outbox still holds (see `workers.outbox`)."""
         if self.relayer is not None:
             relay_outbox(self.redis, owner, self.relayer)
+
+    def relay_history_outboxes(self) -> None:
+        """Relay the messages kNN scripts left in their outboxes (`app.pipeline.knnreg`) when
+        the process that called them died before relaying them."""
+        if self.relayer is None:
+            return
+        pipe = self.redis.pipeline(transaction=False)
+        for outbox in names.HISTORY_OUTBOXES:
+            pipe.xlen(outbox)
+        left = [o for o, n in zip(names.HISTORY_OUTBOXES, pipe.execute(), strict=True) if n]
+        done = sum(self.relayer.relay_all(o) for o in left)
+        if done:
+            log.info("worker %s relayed %d kNN messages left in outboxes", self.id, done)
 
     def relay_control(self) -> None:
         """Finish a staged plan change (`app.pipeline.control`), with outboxes."""

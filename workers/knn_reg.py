@@ -69,14 +69,25 @@ class KnnRegistry:
             at = -1 if direct else len(pipe.command_stack)
             out = run_script(pipe, self._merge,
                              [names.knn_key(sub.id), names.history_key(sub.id),
-                              names.history_last_key(sub.id)],
+                              names.history_last_key(sub.id), *self._outbox(sub.id)],
                              [ex.id, sub.epoch, local, sub.k, max_len, ttl, tenant, max_age_ms,
                               period_ms, knnreg.STREAM_TEMPLATE, refresh, *clear])
             self.reports += 1
             if direct:
+                self._relay(sub.id)
                 self._answer(tenant, sub, sub.epoch, out)
             else:
                 self.queued.append((pipe, at, tenant, sub, sub.epoch))
+
+    def _outbox(self, sub_id: str) -> list[str]:
+        """The outbox the kNN scripts write their messages to, with outboxes (a cluster)."""
+        return [] if self.ex.relayer is None else [names.history_outbox(sub_id)]
+
+    def _relay(self, sub_id: str) -> None:
+        """Relay what a direct call of a kNN script wrote to its outbox (with outboxes; a
+        call queued on a commit is relayed with it, `workers.outbox`)."""
+        if self.ex.relayer is not None:
+            self.ex.relayer.relay_all(names.history_outbox(sub_id))
 
     def settle(self, pipe: Any, results: list[Any]) -> None:
         """The answers of the reports queued on `pipe`, now executed."""
@@ -170,9 +181,10 @@ class KnnRegistry:
             radius_m=radius if math.isfinite(radius) else None, epoch=epoch + 1)],
             plan_version=ex.index.version))
         retract = wire.encode_entry(wire.KnnRetract(ids=[sub.id], epoch=epoch + 1))
-        done = self._resize(keys=[names.knn_key(sub.id)],
+        done = self._resize(keys=[names.knn_key(sub.id), *self._outbox(sub.id)],
                             args=[epoch, knnreg.stored_radius(radius), reg, retract,
                                   knnreg.STREAM_TEMPLATE, *sorted(workers)])
+        self._relay(sub.id)
         if done:
             self.resizes["grow" if grow else "shrink"] += 1
             log.debug("worker %s: kNN %s radius %.0f -> %.0f m on %s", ex.id, sub.id,

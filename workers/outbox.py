@@ -74,6 +74,8 @@ class OutboxPipe:
         self._far: dict[int, Group] = {}
         self._far_ops: list[list[bytes]] = []  # the outbox entry's commands, in order
         self._queued = 0  # commands in the transaction
+        # outboxes that scripts of the entry write to (`app.pipeline.knnreg`): relayed after it
+        self._then: set[bytes] = set()
 
     # the transaction's own connection: WATCH, reads while watching, MULTI
     def watch(self, *keys: Any) -> Any:
@@ -88,6 +90,7 @@ class OutboxPipe:
     def reset(self) -> None:
         self.pipe.reset()
         self.command_stack, self._far, self._far_ops, self._queued = [], {}, [], 0
+        self._then = set()
 
     def _queue(self, method: str, *args: Any, **kwargs: Any) -> OutboxPipe:
         cmd_args, options = getattr(_ARGS, method)(*args, **kwargs)
@@ -108,6 +111,7 @@ class OutboxPipe:
         if group is None:
             group = self._far[slot] = Group(slot)
         op = script_op(list(raw)) if raw[0].upper() == b"EVAL" else list(raw)
+        self._then.update(k for k in keys if k.startswith(names.OUTBOX_PREFIX.encode()))
         group.add(op, keys, len(self.command_stack))
         self._far_ops.append(op)
         self.command_stack.append(-1)
@@ -144,7 +148,10 @@ class OutboxPipe:
                 for at, r in zip(group.at, reply or [], strict=False):
                     out[at] = r
             self.client.xdel(self.outbox, entry_id)
+        then, self._then = sorted(self._then), set()
         self._far, self._far_ops, self.command_stack, self._queued = {}, [], [], 0
+        for outbox in then:
+            self.relayer.relay_all(outbox.decode())
         for r in out:  # as a pipeline raises the first error (everything else applied)
             if isinstance(r, Exception):
                 raise r

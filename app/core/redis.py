@@ -178,8 +178,8 @@ def _cluster_message(url: str) -> str:
 
 
 # Set to 1 by geoswarm's own tests of the work towards Redis Cluster: a cluster is then
-# accepted, with outboxes (`app.pipeline.outbox`). Not for users: kNN subscriptions, snapshot
-# queries and dead-letter replays do not work on one yet (docs/architecture.md, "Outboxes").
+# accepted, with outboxes (`app.pipeline.outbox`). Not for users: snapshot queries and
+# dead-letter replays do not work on one yet (docs/architecture.md, "Outboxes").
 CLUSTER_PREVIEW_ENV = "GEOSWARM_REDIS_CLUSTER_PREVIEW"
 
 

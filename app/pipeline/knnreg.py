@@ -44,6 +44,7 @@ from app.geo.grid import Grid
 from app.geo.index import GlobalIndex, Plan
 from app.pipeline import names, wire
 from app.pipeline.histories import APPEND_HISTORY_LUA
+from app.pipeline.outbox import ENCODE_OPS_LUA
 
 WORLD_M = 2.1e7  # beyond half the circumference every point is within reach
 UNBOUNDED = -1.0  # `_r` of a registration on every worker
@@ -61,18 +62,42 @@ local function stream_of(template, worker)
 end
 """
 
+# With outboxes (a Redis Cluster: the workers' streams are in other hash slots than the hash),
+# the scripts below write their messages to workers as one entry of the outbox of the hash's
+# history group (`names.history_outbox`, their last KEY), relayed after the call
+# (`app.pipeline.outbox`; a worker relays every such outbox at its start and in its
+# maintenance, in case one that wrote an entry died before relaying it); without, they XADD
+# them directly. `send(stream, payload)` in Lua does either.
+SEND_LUA = ENCODE_OPS_LUA + """
+local SENDS = {}
+local function send(outbox, stream, payload)
+  if outbox then
+    SENDS[#SENDS + 1] = encode_op({'XADD', stream, '*', 'm', payload})
+  else
+    redis.call('XADD', stream, '*', 'm', payload)
+  end
+end
+local function flush(outbox)
+  if outbox and #SENDS > 0 then
+    redis.call('XADD', outbox, '*', 'm', table.concat(SENDS))
+    SENDS = {}
+  end
+end
+"""
+
 # KEYS[1] = gs:knn:<sub>, KEYS[2] = history stream, KEYS[3] = the history group's hash of last ids
-# (field: the stream; see HISTORY_SCRIPT). ARGV[1] = worker, ARGV[2] = its epoch, ARGV[3] =
-# its local list JSON [[distance, id, lon, lat, kind]], ARGV[4] = k, ARGV[5] = maxlen,
-# ARGV[6] = ttl, ARGV[7] = tenant, ARGV[8] = the history's max age (ms), ARGV[9] = its
-# housekeeping period (ms; see `append_history`), ARGV[10] = `STREAM_TEMPLATE`,
+# (field: the stream; see HISTORY_SCRIPT), KEYS[4] = its outbox (with outboxes). ARGV[1] =
+# worker, ARGV[2] = its epoch, ARGV[3] = its local list JSON [[distance, id, lon, lat, kind]],
+# ARGV[4] = k, ARGV[5] = maxlen, ARGV[6] = ttl, ARGV[7] = tenant, ARGV[8] = the history's max
+# age (ms), ARGV[9] = its housekeeping period (ms; see `append_history`), ARGV[10] =
+# `STREAM_TEMPLATE`,
 # ARGV[11] = the packed `wire.KnnRefresh` of this subscription and epoch (sent to a sole
 # holder that must report again), ARGV[12..] = tokens this report clears.
 # Returns {status, kth, sole}: status 1 = a new list was pushed, 0 = nothing changed or
 # waiting, -1 = the report's epoch is stale, 2 = fewer than k within the radius (grow), 3 =
 # the k-th is far inside the radius (shrink); kth as a string; sole 1 when the reporter is
 # now the only holder (`_l:`).
-MERGE_SCRIPT = APPEND_HISTORY_LUA + STREAM_OF_LUA + """
+MERGE_SCRIPT = APPEND_HISTORY_LUA + STREAM_OF_LUA + SEND_LUA + """
 local e = redis.call('HGET', KEYS[1], '_e')
 if not e then return {0, '', 0} end
 for i = 12, #ARGV do redis.call('HDEL', KEYS[1], ARGV[i]) end
@@ -99,7 +124,7 @@ for i = 1, #fields, 2 do
       local w = string.sub(f, 4)
       redis.call('HDEL', KEYS[1], f)
       redis.call('HSET', KEYS[1], '_p:' .. w, e)
-      redis.call('XADD', stream_of(ARGV[10], w), '*', 'm', ARGV[11])
+      send(KEYS[4], stream_of(ARGV[10], w), ARGV[11])
       waiting, alone = true, false
     end
   else
@@ -107,6 +132,7 @@ for i = 1, #fields, 2 do
     for _, n in ipairs(cjson.decode(fields[i + 1])) do all[#all + 1] = n end
   end
 end
+flush(KEYS[4])
 local sole = 0
 if alone then
   redis.call('HSET', KEYS[1], '_l:' .. me, e)
@@ -152,13 +178,14 @@ if want == 3 then return {3, kth, sole} end
 return {1, kth, sole}
 """
 
-# A resize: KEYS[1] = gs:knn:<sub>. ARGV[1] = the epoch it was decided on, ARGV[2] = the new
+# A resize: KEYS[1] = gs:knn:<sub>, KEYS[2] = its history group's outbox (with outboxes).
+# ARGV[1] = the epoch it was decided on, ARGV[2] = the new
 # radius, ARGV[3] = the registration (a packed SubsAdded of the next epoch), ARGV[4] = the
 # retraction (a packed KnnRetract), ARGV[5] = `STREAM_TEMPLATE`, ARGV[6..] = the
 # workers of the new registration. Every worker that held the old one and is not among them
 # (a list, a pending token) gets the retraction; tokens of the old epoch go. 1 when applied,
 # 0 when the epoch moved on meanwhile (or the subscription is gone).
-RESIZE_SCRIPT = STREAM_OF_LUA + """
+RESIZE_SCRIPT = STREAM_OF_LUA + SEND_LUA + """
 local e = redis.call('HGET', KEYS[1], '_e')
 if not e or e ~= ARGV[1] then return 0 end
 local ne = tostring(tonumber(e) + 1)
@@ -184,11 +211,12 @@ end
 redis.call('HSET', KEYS[1], '_e', ne, '_r', ARGV[2])
 for i = 6, #ARGV do
   redis.call('HSET', KEYS[1], '_p:' .. ARGV[i], ne)
-  redis.call('XADD', stream_of(ARGV[5], ARGV[i]), '*', 'm', ARGV[3])
+  send(KEYS[2], stream_of(ARGV[5], ARGV[i]), ARGV[3])
 end
 for w, _ in pairs(holders) do
-  if not targets[w] then redis.call('XADD', stream_of(ARGV[5], w), '*', 'm', ARGV[4]) end
+  if not targets[w] then send(KEYS[2], stream_of(ARGV[5], w), ARGV[4]) end
 end
+flush(KEYS[2])
 return 1
 """
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import zlib
 
 CONTROL = "{gs}"
+OUTBOX_PREFIX = "gs:out:"  # every outbox stream (`app.pipeline.outbox`)
 HISTORY_GROUPS = 256  # the hash slots subscriptions' histories are spread over
 
 
@@ -43,7 +44,7 @@ PART_SEQ = "gs:partition:seq:" + CONTROL  # counter for new partition ids "p<n>"
 # a staged change will publish (no other change is staged meanwhile), and the outbox of the
 # control steps, whose entry writes the receivers' handoffs and then activates the plan.
 PLAN_PENDING = "gs:plan:pending:" + CONTROL
-CONTROL_OUTBOX = "gs:out:" + CONTROL
+CONTROL_OUTBOX = OUTBOX_PREFIX + CONTROL
 # hash worker -> how many times it started (with outboxes: a failover staged from a decision
 # made before a start of the worker is refused, `workers.failover`)
 WORKER_STARTS = "gs:workers:starts:" + CONTROL
@@ -90,7 +91,7 @@ def worker_stream(worker: str) -> str:
 def outbox_stream(worker: str) -> str:
     """The commits of a worker stream's consumer waiting to be relayed to other hash slots
     (`workers.outbox`; used on a Redis Cluster)."""
-    return "gs:out:" + worker_tag(worker)
+    return OUTBOX_PREFIX + worker_tag(worker)
 
 
 def command_stream(worker: str) -> str:
@@ -177,10 +178,19 @@ def publish_guard_key(tenant: str, token: str) -> str:
     return "gs:pub:" + tenant_tag(tenant) + ":" + token
 
 
+def history_outbox(sub_id: str) -> str:
+    """Messages to workers written by the kNN scripts on a subscription's hash, waiting to be
+    relayed (with outboxes; `app.pipeline.knnreg`): one outbox per history group."""
+    return OUTBOX_PREFIX + history_tag(sub_id)
+
+
+HISTORY_OUTBOXES = tuple(OUTBOX_PREFIX + "{h" + str(n) + "}" for n in range(HISTORY_GROUPS))
+
+
 def tenant_outbox(tenant: str) -> str:
     """The api's writes of a tenant to other hash slots (its publishes' worker entries, its
     subscriptions' messages), when they go through an outbox (`app.pipeline.outbox`)."""
-    return "gs:out:" + tenant_tag(tenant)
+    return OUTBOX_PREFIX + tenant_tag(tenant)
 
 
 OUTBOX_TENANTS = "gs:out:tenants"  # set: the tenants whose outbox the expiry round relays

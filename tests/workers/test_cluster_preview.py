@@ -4,9 +4,10 @@ outboxes (`app.pipeline.outbox`). Exact against the brute-force oracle (every ma
 HTTP replay too), through a worker SIGKILLed mid-stream and a client resuming by cursor, and
 while partitions move, split and merge (plan changes staged and relayed in waves,
 `app.pipeline.control`), by commands and by the coordinator's rounds, and through the failover
-of dead and stalled workers. The cluster is accepted only with GEOSWARM_REDIS_CLUSTER_PREVIEW=1
-(kNN, snapshot queries and dead-letter replays are not there yet on a cluster; without it
-geoswarm refuses one: tests/app/test_redis_cluster_refused.py)."""
+of dead and stalled workers; continuous kNN too (every list pushed a true top-k, the last ones
+the oracle's). The cluster is accepted only with GEOSWARM_REDIS_CLUSTER_PREVIEW=1 (snapshot
+queries and dead-letter replays are not there yet on a cluster; without it geoswarm refuses
+one: tests/app/test_redis_cluster_refused.py)."""
 
 from __future__ import annotations
 
@@ -64,6 +65,24 @@ def test_exact_delivery_while_partitions_move_on_a_redis_cluster(on_cluster: Liv
         client.close()
 
 
+def test_continuous_knn_across_moves_on_a_redis_cluster(on_cluster: LiveServer) -> None:
+    """kNN registrations, merges and resizes (their messages to workers relayed through the
+    history groups' outboxes), with the partitions holding the query points moving and
+    splitting: every subscription's last list equals the oracle's."""
+    test_balancing.test_continuous_knn_across_moves(on_cluster)
+    client = redis.RedisCluster.from_url(on_cluster.redis_url.rsplit("/", 1)[0])
+    try:
+        assert not any(client.xlen(o) for o in names.HISTORY_OUTBOXES)
+        relayed = {f for key in client.scan_iter(match="gs:relay:*") for f in client.hkeys(key)}
+        assert any(f.startswith(b"gs:out:{h") for f in relayed), relayed
+    finally:
+        client.close()
+
+
+def test_every_knn_list_was_a_true_top_k_on_a_redis_cluster(on_cluster: LiveServer) -> None:
+    test_balancing.test_every_knn_list_was_a_true_top_k(on_cluster)
+
+
 def test_coordinator_rounds_move_partitions_on_a_redis_cluster(on_cluster: LiveServer) -> None:
     """The leader coordinator's rounds (its commands sent unfenced, checked against the lease
     by the workers) move and split partitions under a moving hotspot, exactly (last in this
@@ -89,8 +108,9 @@ def test_coordinator_rounds_move_partitions_on_a_redis_cluster(on_cluster: LiveS
 
 
 def test_dead_and_stalled_workers_fail_over_on_a_redis_cluster(tmp_path: Path) -> None:
-    """The failover scenario of test_failover.py (range and keyword subscriptions; kNN and
-    snapshot queries are not there yet on a cluster) on a cluster of its own: a worker
+    """The failover scenario of test_failover.py (range, keyword and kNN subscriptions;
+    without its snapshot count queries, not there yet on a cluster) on a cluster of its own:
+    a worker
     SIGKILLed is failed over (its fence taken, an adopter, takeovers, the plan: staged and
     relayed in order), comes back and gets a partition; a worker SIGSTOPped past the dead-after
     time is failed over, commits nothing when it wakes, exits and rejoins; every match once."""
@@ -100,6 +120,6 @@ def test_dead_and_stalled_workers_fail_over_on_a_redis_cluster(tmp_path: Path) -
                               **{CLUSTER_PREVIEW_ENV: "1"})
         try:
             server.wait_workers(3)
-            asyncio.run(test_failover._scenario(server, knn=False, counts=False))
+            asyncio.run(test_failover._scenario(server, counts=False))
         finally:
             server.stop()
