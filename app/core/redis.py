@@ -331,6 +331,11 @@ def run_script(client: Any, script: Any, keys: list[Any], args: list[Any]) -> An
     scripts exist before each execute, a round trip more, and an EVALSHA of a script Redis
     lost would fail inside a transaction whose other commands apply (Redis caches an EVAL's
     script by its hash, so it is compiled once)."""
-    if hasattr(client, "command_stack"):  # a pipeline, or a worker's outbox commit
+    if is_pipeline(client):
         return client.eval(script.script, len(keys), *keys, *args)
     return script(keys=keys, args=args, client=client)
+
+
+def is_pipeline(client: Any) -> bool:
+    """A pipeline (an asyncio cluster pipeline too), or a worker's outbox commit."""
+    return hasattr(client, "command_stack") or hasattr(client, "_execution_strategy")

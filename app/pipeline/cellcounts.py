@@ -100,7 +100,7 @@ class CellCounts:
     def read(self, pipe: Any, workers: list[str], tenant: str, buckets: range) -> Reading:
         """Queue the read of the workers' counts of the tenant's arrival `buckets` (a range
         of step 1) on `pipe` (give the pipeline's replies to `absorb`)."""
-        first = len(pipe.command_stack)
+        first = len(pipe)
         fields = [names.cell_counts_field(tenant, b) for b in buckets]
         bases = [self.held.get((w, tenant)) for w in workers]
         for worker, base in zip(workers, bases, strict=True):

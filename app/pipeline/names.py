@@ -62,6 +62,12 @@ def dead_letter_replayed_key(dead_letter_id: str) -> str:
     return f"gs:dead:replayed:{dead_letter_id}"
 
 
+def dead_letter_appended_key(stream: str, dead_letter_id: str) -> str:
+    """The id a dead letter's replay appended to `stream` under, in that stream's hash slot
+    (its name holds the stream's tag): the replay in steps, with outboxes."""
+    return f"gs:dead:appended:{stream}:{dead_letter_id}"
+
+
 # Channels to the api processes' hubs.
 NOTIFY_CHANNEL = "gs:notify"  # wire.HistoryAppended / wire.SubsChanged from the workers
 REVOKED_CHANNEL = "gs:revoked"  # wire.KeyRevoked

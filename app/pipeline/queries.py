@@ -62,7 +62,11 @@ PLAN_ATTEMPTS = 5  # a query planned with a plan that changed before it was sent
 # straight, 0 if in the stream, -1 if not sent: the newest plan of the history is not the one
 # the query was planned with (its workers may miss a newer owner).
 # KEYS: worker stream, query stream, adopter key, plan history; ARGV: the part, the query
-# stream's length, the plan version the query was planned with ('' for any).
+# stream's length, the plan version the query was planned with ('' for any). With outboxes (a
+# Redis Cluster: the plan history is in another hash slot than the worker's streams) it is
+# called without the version and the history, and the history is read once every part is sent
+# (`_Run.gather`): plan versions only grow, so a newest version still the one planned with
+# was the newest when each part was sent.
 SEND_PART_SCRIPT = """
 if ARGV[3] ~= '' then
   local newest = redis.call('LINDEX', KEYS[4], -1)
@@ -374,7 +378,7 @@ class QueryService:
         border = _Run(self, tenant, msgspec.structs.replace(query, skip_cells=cells),
                       run.as_of, run.deadline, [], run.version)
         sending = border.send(pipe, targets, 0)
-        adopters = len(pipe.command_stack)
+        adopters = len(pipe)
         for w in targets:
             pipe.get(names.adopter_key(w))
         reading = self.counts.read(pipe, targets, tenant, buckets)
@@ -496,16 +500,23 @@ class _Run:
                           int((self.as_of - settings.window_s) // settings.bucket_s)),
             cut=self.cut))
         order = sorted(set(workers))
-        first = len(pipe.command_stack)
+        first = len(pipe)
+        checked = self.service.router.outbox is None  # see SEND_PART_SCRIPT
         for w in order:
+            keys = [names.worker_stream(w), names.query_stream(w), names.adopter_key(w)]
             run_script(pipe, self.service.send_part,
-                       [names.worker_stream(w), names.query_stream(w), names.adopter_key(w),
-                        names.PLAN_HISTORY],
-                       [part, QUERY_STREAM_LEN, self.version])
+                       [*keys, names.PLAN_HISTORY] if checked else keys,
+                       [part, QUERY_STREAM_LEN, self.version if checked else ""])
         if self.cut is not None:
             pipe.xadd(names.ARCHIVE_JOBS, {b"m": part}, maxlen=ARCHIVE_JOBS_LEN,
                       approximate=True)
         return _Sending(token, order, first, self.cut is not None)
+
+    async def _plan_changed(self) -> bool:
+        """Whether the newest plan of the plan history is not the one the query was planned
+        with (SEND_PART_SCRIPT's check, made after the parts were sent)."""
+        newest = await self.service.redis.lindex(names.PLAN_HISTORY, -1)
+        return newest is not None and str(orjson.loads(newest)["version"]) != self.version
 
     def sources(self, live: int, archive: int) -> dict[str, int]:
         """The `sources` of an answer: how many results each side gave."""
@@ -518,7 +529,8 @@ class _Run:
         redis = svc.redis
         token, order = sending.token, sending.workers
         sent = [int(s) for s in results[sending.first:sending.first + len(order)]]
-        if -1 in sent:
+        if -1 in sent or (svc.router.outbox is not None and self.version
+                          and await self._plan_changed()):
             # the parts sent are answered to a list nobody reads, which expires
             raise StalePlan(self.version)
         waiting = set(order) | ({ARCHIVE} if sending.archive else set())
@@ -578,7 +590,10 @@ class _Run:
         if dead:
             # A failed-over worker's stream, and so its part of the query, is processed by
             # its adopter (workers.failover): it is the adopter that must be alive.
-            adopters = await svc.redis.mget([names.adopter_key(w) for w in dead])
+            pipe = svc.redis.pipeline(transaction=False)  # (on a cluster: in their slots)
+            for w in dead:
+                pipe.get(names.adopter_key(w))
+            adopters = await pipe.execute()
             alive = [a for a in adopters if a is not None]
             beats = await svc.redis.hmget(names.WORKERS_KEY, alive) if alive else []
             fresh = {a for a, beat in zip(alive, beats, strict=True)

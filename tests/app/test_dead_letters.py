@@ -179,3 +179,55 @@ def test_dead_letter_errors(api: InProcessServer) -> None:
             r = client.get("/v1/admin/dead-letters", params=params, headers=admin)
             assert r.status_code == 422, (params, r.text)
             assert r.json()["detail"][0]["loc"][0] == "query"
+
+
+def test_a_replay_in_steps_cut_short_appends_once(redis_url: str) -> None:
+    """With outboxes (a Redis Cluster) a replay goes in steps (`replay_in_steps`); one cut
+    after the entry was appended (the api process died: the fault is caused by a client that
+    fails there) is finished by the replay sent again, which appends nothing more and answers
+    the same entry id."""
+    import asyncio
+
+    import redis.asyncio as aioredis
+
+    from app.api.routes.admin import replay_in_steps
+    from bench.cluster import own_database
+
+    url = own_database(redis_url)
+    stream = names.worker_stream("w9")
+
+    class DiesBeforeTheOutcome:
+        def __init__(self, client: Any) -> None:
+            self.client = client
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.client, name)
+
+        async def set(self, *args: Any, **kwargs: Any) -> Any:
+            raise redis.ConnectionError("the api process died here")
+
+    async def scenario() -> None:
+        client = aioredis.from_url(url)
+        await client.flushdb()
+        await client.xadd(stream, {b"m": b"first"})
+        did = _text(await client.xadd(names.DEAD_LETTER, {
+            b"stream": stream.encode(), b"id": b"1-1", b"why": b"test", b"m": POISON}))
+        fields = (await client.xrange(names.DEAD_LETTER, did, did))[0][1]
+        with pytest.raises(redis.ConnectionError):
+            await replay_in_steps(DiesBeforeTheOutcome(client), did, stream, fields)
+        assert await client.xlen(stream) == 2 and await client.xlen(names.DEAD_LETTER) == 1
+        status, outcome = await replay_in_steps(client, did, stream, fields)
+        assert status == 200 and await client.xlen(stream) == 2
+        (last_id, last), = await client.xrevrange(stream, count=1)
+        assert outcome == f"{stream}\n{_text(last_id)}" and last == {b"m": POISON}
+        assert await client.xlen(names.DEAD_LETTER) == 0
+        assert _text(await client.get(names.dead_letter_replayed_key(did))) == outcome
+        # a dead letter of a stream that is gone: 410, nothing written
+        gone = names.worker_stream("gone")
+        assert await replay_in_steps(client, "1-2", gone, {b"m": POISON}) == (410, "")
+        assert await replay_in_steps(client, "1-3", stream, {b"why": b"x"}) == (409, "")
+        assert not await client.exists(gone)
+        await client.flushdb()
+        await client.aclose()
+
+    asyncio.run(scenario())

@@ -430,6 +430,38 @@ return {200, outcome}
 """
 
 
+# With outboxes (a Redis Cluster, where the dead letters and a worker's stream are in
+# different hash slots) the same replay goes in steps, each safe to run again: the entry
+# appended to its stream once (its new id kept in the stream's slot, `_APPEND_ONCE`), then the
+# outcome kept beside the dead letters, then the dead letter deleted. KEYS[1] the stream,
+# KEYS[2] the outcome in its slot; ARGV[1] how long it is kept, ARGV[2..] the entry's fields.
+_APPEND_ONCE = """
+local done = redis.call('GET', KEYS[2])
+if done then return {200, done} end
+if redis.call('EXISTS', KEYS[1]) == 0 then return {410} end
+local new = redis.call('XADD', KEYS[1], '*', unpack(ARGV, 2))
+redis.call('SET', KEYS[2], new, 'EX', ARGV[1])
+return {200, new}
+"""
+
+
+async def replay_in_steps(client: Any, did: str, stream: str, fields: dict[bytes, bytes]
+                          ) -> tuple[int, str]:
+    """`_REPLAY` in steps (see `_APPEND_ONCE`): (status, "<stream>\n<new id>")."""
+    entry = [x for k, v in fields.items() if k not in _OWN_FIELDS for x in (k, v)]
+    if not entry:
+        return 409, ""
+    ttl = names.DEAD_LETTER_REPLAY_TTL_S
+    reply = await client.register_script(_APPEND_ONCE)(
+        keys=[stream, names.dead_letter_appended_key(stream, did)], args=[ttl, *entry])
+    if int(reply[0]) != 200:
+        return int(reply[0]), ""
+    outcome = f"{stream}\n{_decode(reply[1])}"
+    await client.set(names.dead_letter_replayed_key(did), outcome, ex=ttl)
+    await client.xdel(names.DEAD_LETTER, did)
+    return 200, outcome
+
+
 class DeadLetter(BaseModel):
     id: str = Field(description="The dead letter's id (an entry id of the dead-letter stream).")
     stream: str | None = Field(description="The stream the entry was read from.")
@@ -511,16 +543,21 @@ async def replay_dead_letter(dead_letter_id: str, state: StateDep, _admin: Admin
     stream = _decode((found[0][1] or {}).get(b"stream"))
     if stream is None or not stream.startswith(_WORKER_STREAMS):
         raise Conflict(f"dead letter {did!r} came from {stream!r}, not a worker's stream")
-    reply = await state.redis.register_script(_REPLAY)(
-        keys=[names.DEAD_LETTER, stream, done_key], args=[did, names.DEAD_LETTER_REPLAY_TTL_S])
-    status = int(reply[0])
+    if state.router is None or state.router.outbox is None:
+        reply = await state.redis.register_script(_REPLAY)(
+            keys=[names.DEAD_LETTER, stream, done_key],
+            args=[did, names.DEAD_LETTER_REPLAY_TTL_S])
+        status, outcome = int(reply[0]), _decode(reply[1]) if len(reply) > 1 else None
+    else:
+        fields: dict[bytes, bytes] = dict(found[0][1] or {})  # type: ignore[arg-type]
+        status, outcome = await replay_in_steps(state.redis, did, stream, fields)
     if status == 404:
         raise NotFound(f"no dead letter {did!r}")  # replayed or deleted meanwhile
     if status == 409:
         raise Conflict(f"dead letter {did!r} carries no entry to replay")
     if status == 410:
         raise Conflict(f"the stream {stream!r} of dead letter {did!r} no longer exists")
-    stream, new_id = (_decode(reply[1]) or "").split("\n", 1)
+    stream, new_id = (outcome or "").split("\n", 1)
     log.info("dead letter %s replayed to %s as %s", did, stream, new_id)
     return DeadLetterReplayed(id=did, stream=stream, entry_id=new_id)
 
