@@ -34,14 +34,9 @@ def _logging(level: str = "INFO") -> None:
 
 
 def _redis(settings: Settings) -> tuple[str, EmbeddedRedis | None]:
-    """`resolve_redis_url`, or exit 2 with the reason when that Redis cannot serve geoswarm."""
-    from app.core.redis import ClusterNotSupported, resolve_redis_url
+    from app.core.redis import resolve_redis_url
 
-    try:
-        return resolve_redis_url(settings)
-    except ClusterNotSupported as exc:
-        typer.echo(str(exc), err=True)
-        raise typer.Exit(2) from exc
+    return resolve_redis_url(settings)
 
 
 @app.command()

@@ -29,7 +29,7 @@ from app.core.collector import collector_loop
 from app.core.config import Settings, get_settings
 from app.core.db import make_engine, make_sessionmaker
 from app.core.errors import ApiError, integrity_problem, is_redis_oom
-from app.core.redis import ClusterNotSupported, async_client, refuse_cluster_async
+from app.core.redis import async_client
 from app.core.security import AuthFailures, KeyCache, install_log_redaction
 from app.core.state import AppState
 from app.pipeline.expiry import expiry_loop
@@ -288,12 +288,6 @@ def create_app(settings: Settings | None = None, redis_url: str | None = None,
                 app.state.embedded_redis = server
         engine = make_engine(settings)
         client = async_client(url)
-        try:
-            await refuse_cluster_async(client, url)
-        except ClusterNotSupported as exc:
-            log.error("%s", exc)
-            await client.aclose()
-            raise
         state = AppState(settings=settings, engine=engine, sessions=make_sessionmaker(engine),
                          redis=client, redis_url=url, keys=KeyCache(settings.key_recheck_s))
         state.router = Router(settings, client)

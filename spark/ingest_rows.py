@@ -25,6 +25,7 @@ from pyspark.sql import DataFrame, Row
 from pyspark.sql import functions as F
 from pyspark.sql.functions import udtf
 
+from app.core.redis import sync_client
 from app.pipeline import names
 from app.pipeline.records import records_from_objects
 from app.schemas import ObjectIn
@@ -224,8 +225,7 @@ def count_progress(rules: RowRules, rows: list[tuple[Any, ...]]) -> None:
     if not rules.redis_url or not rows:
         return
     if rules.redis_url not in _progress_clients:
-        _progress_clients[rules.redis_url] = redis.Redis.from_url(
-            rules.redis_url, socket_timeout=2, socket_connect_timeout=2)
+        _progress_clients[rules.redis_url] = sync_client(rules.redis_url, socket_timeout=2)
     client = _progress_clients[rules.redis_url]
     if client is None:
         return

@@ -28,6 +28,7 @@ from pyspark.sql import DataFrame, SparkSession
 from app.archive.counts import add_cells, file_cells, layout_counts
 from app.archive.layout import ArchiveStore, Layout, read_layout
 from app.core.config import Settings
+from app.core.redis import sync_client
 from app.geo.aqwa import CountGrid, knn_radius_m
 from app.geo.geometry import circle_bbox
 from app.pipeline import names, wire
@@ -166,7 +167,7 @@ class QueryRunner:
                  spark: Callable[[], SparkSession]) -> None:
         self.settings = settings
         self.id = runner_id
-        self.redis: Any = redis.Redis.from_url(redis_url, socket_timeout=30)
+        self.redis: Any = sync_client(redis_url, socket_timeout=30)
         self.spark = spark
         self.archive: Archive | None = None
         self.stopping = False

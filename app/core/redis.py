@@ -164,41 +164,14 @@ def running_embedded_url(settings: Settings) -> str | None:
     return url if url and _ping(url) else None
 
 
-class ClusterNotSupported(RuntimeError):
-    """GEOSWARM_REDIS_URL names a node of a Redis Cluster."""
-
-
-def _cluster_message(url: str) -> str:
-    parts = urlsplit(url)
-    return (f"GEOSWARM_REDIS_URL points at {parts.hostname}:{parts.port or 6379}, a node of a "
-            "Redis Cluster (INFO says cluster_enabled:1). geoswarm needs one Redis server "
-            "(a primary, with replicas if you like): Redis Cluster is not supported yet, "
-            "because its scripts and transactions write keys of several hash slots in one "
-            "step. Point GEOSWARM_REDIS_URL at a standalone Redis.")
-
-
-# Set to 1 by geoswarm's own tests of the work towards Redis Cluster: a cluster is then
-# accepted, with outboxes (`app.pipeline.outbox`). Not for users: snapshot queries and
-# dead-letter replays do not work on one yet (docs/architecture.md, "Outboxes").
-CLUSTER_PREVIEW_ENV = "GEOSWARM_REDIS_CLUSTER_PREVIEW"
-
-
-def cluster_preview() -> bool:
-    return os.environ.get(CLUSTER_PREVIEW_ENV) == "1"
-
-
-def _refuse(info: Any, url: str) -> None:
-    """Raise ClusterNotSupported when `info` (INFO cluster of `url`) says cluster mode."""
-    if str(info.get("cluster_enabled", 0)) == "1" and not cluster_preview():
-        raise ClusterNotSupported(_cluster_message(url))
-
-
 _CLUSTER: dict[str, bool] = {}
 
 
 def is_cluster(url: str) -> bool:
     """Whether `url` is a node of a Redis Cluster (asked once per process; a Redis that does
-    not answer is taken for a standalone one, which the caller then meets as it is)."""
+    not answer is taken for a standalone one, which the caller then meets as it is). On a
+    cluster the processes use clients that follow its slots, and writes that span slots go
+    through outboxes (`app.pipeline.outbox`)."""
     if url not in _CLUSTER:
         info = _cluster_info(url)
         if info is None:
@@ -225,29 +198,10 @@ def _cluster_url(url: str) -> str:
     return parts._replace(path="").geturl()
 
 
-def refuse_cluster(url: str) -> None:
-    """Raise ClusterNotSupported when `url` is a node of a Redis Cluster (every command on a
-    key of another node's slots would fail with MOVED). A Redis that does not answer, or
-    does not let us read INFO, is not judged here: the caller meets it as it would anyway."""
-    info = _cluster_info(url)
-    if info is not None:
-        _refuse(info, url)
-
-
-async def refuse_cluster_async(client: aioredis.Redis, url: str) -> None:
-    """`refuse_cluster` with the api's client."""
-    try:
-        info = await client.info("cluster")
-    except redis.RedisError:
-        return
-    _refuse(info, url)
-
-
 def resolve_redis_url(settings: Settings) -> tuple[str, EmbeddedRedis | None]:
-    """The Redis to use: GEOSWARM_REDIS_URL, else a running embedded one, else start one.
-    Raises ClusterNotSupported for a node of a Redis Cluster."""
+    """The Redis to use: GEOSWARM_REDIS_URL (a standalone Redis or any node of a Redis
+    Cluster), else a running embedded one, else start one."""
     if settings.redis_url:
-        refuse_cluster(settings.redis_url)
         return settings.redis_url, None
     url = running_embedded_url(settings)
     if url:

@@ -17,9 +17,26 @@ from app.geo.geometry import bbox_contains, haversine_m
 from app.pipeline import names
 from tests.conftest import LiveServer, auth
 
-# How long an archive query may take in these tests (its wait_s and the server's
-# query_timeout_s): Spark on a loaded 2-core machine took more than the default 30 s.
+# How long an archive query may take in these tests (the server's query_timeout_s): Spark on a
+# loaded 2-core machine took more than the default 30 s. A query still running after the
+# longest wait_s (60 s) is polled by its id (`ask`).
 SLOW_QUERY_S = 100
+
+
+def ask(server: LiveServer, key: str, body: dict[str, Any], wait_s: float = 60
+        ) -> dict[str, Any]:
+    """POST /v1/queries, then GET /v1/queries/{id} while it runs: the answer once done."""
+    r = httpx.post(server.base_url + "/v1/queries", json={**body, "wait_s": wait_s},
+                   headers=auth(key), timeout=wait_s + 30)
+    deadline = time.monotonic() + SLOW_QUERY_S + 10
+    while r.status_code == 202 and time.monotonic() < deadline:
+        time.sleep(0.5)
+        r = httpx.get(server.base_url + f"/v1/queries/{r.json()['id']}", headers=auth(key),
+                      timeout=30)
+        if r.json().get("status") != "running":
+            break
+    assert r.status_code == 200 and r.json().get("status", "done") == "done", r.text
+    return dict(r.json())
 
 WORDS = ["taxi", "bus", "rain", "jam", "park"]
 BBOX = (-10.0, -8.0, 12.0, 9.0)
@@ -100,11 +117,8 @@ class Archived:
     def spawn_runner(self, name: str) -> None:
         self.server.spawn(name, ["query-runner", "--id", name], env=self.runners[name])
 
-    def query(self, body: dict[str, Any], wait_s: float = SLOW_QUERY_S) -> dict[str, Any]:
-        r = httpx.post(self.server.base_url + "/v1/queries", json={**body, "wait_s": wait_s},
-                       headers=auth(self.key), timeout=wait_s + 30)
-        assert r.status_code == 200, r.text
-        return dict(r.json())
+    def query(self, body: dict[str, Any]) -> dict[str, Any]:
+        return ask(self.server, self.key, body)
 
 
 def publish(server: LiveServer, key: str, oracle: Oracle, rng: random.Random, batches: int,

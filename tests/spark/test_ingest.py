@@ -33,8 +33,8 @@ from app.geo.geometry import bbox_contains, haversine_m
 from spark.ingest import Counts, Options, parse_mapping
 from spark.ingest import main as ingest_main
 from spark.session import java_available
-from tests.conftest import ROOT, LiveServer, auth, start_server
-from tests.spark.archive_oracle import SLOW_QUERY_S, runner_ready
+from tests.conftest import ROOT, LiveServer, start_server
+from tests.spark.archive_oracle import SLOW_QUERY_S, ask, runner_ready
 from tests.workers.harness import subscribe_listening, wait_for
 from tests.workers.oracle import Oracle, record_keywords
 
@@ -67,10 +67,7 @@ class Cluster:
 
     def query(self, tenant: str, body: dict[str, Any]) -> dict[str, Any]:
         runner_ready(self.server, "r0")
-        r = httpx.post(self.server.base_url + "/v1/queries", json={**body, "wait_s": SLOW_QUERY_S},
-                       headers=auth(self.server.new_key(tenant)), timeout=SLOW_QUERY_S + 30)
-        assert r.status_code == 200, r.text
-        return dict(r.json())
+        return ask(self.server, self.server.new_key(tenant), body)
 
 
 @pytest.fixture(scope="module")

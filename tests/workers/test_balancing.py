@@ -318,7 +318,11 @@ def test_exact_delivery_in_baseline_modes(mode: str, tmp_path: Any, embedded_red
 
 
 def drained(client: redis.Redis, workers: list[str]) -> bool:
-    """Every entry of the workers' streams was read and acknowledged."""
+    """Every entry of the workers' streams was read and acknowledged, and every worker is
+    waiting for more (blocked in XREADGROUP): what it does after a commit (a kNN resize, an
+    outbox relayed) is done too."""
+    if not idle(client, len(workers)):
+        return False
     for w in workers:
         stream = names.worker_stream(w)
         last = client.xinfo_stream(stream)["last-generated-id"]
@@ -327,6 +331,20 @@ def drained(client: redis.Redis, workers: list[str]) -> bool:
         if group["pending"] or group["last-delivered-id"] != last:
             return False
     return True
+
+
+def idle(client: Any, workers: int) -> bool:
+    """At least `workers` connections of this server's database are blocked in XREADGROUP
+    (the workers' reads; nothing else of a test server reads that way)."""
+    if hasattr(client, "get_primaries"):  # a Redis Cluster: its nodes, database 0
+        db, conns = "0", [c for n in client.get_primaries()
+                          for c in client.client_list(target_nodes=n)]
+    else:
+        db = str(client.connection_pool.connection_kwargs.get("db", 0))
+        conns = client.client_list()
+    blocked = [c for c in conns if c.get("cmd") == "xreadgroup" and "b" in c.get("flags", "")
+               and str(c.get("db")) == db]
+    return len(blocked) >= workers
 
 
 async def wait_drained(client: redis.Redis, workers: list[str], timeout: float = 20.0) -> None:

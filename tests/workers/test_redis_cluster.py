@@ -1,13 +1,12 @@
-"""Towards Redis Cluster: the live path of range and keyword subscriptions on a real 3-primary
-cluster (started from the embedded redis-server binary), with the processes' cluster clients and
+"""Scale-out on Redis Cluster: a real 3-primary cluster (started from the embedded redis-server
+binary), geoswarm pointed at one of its nodes, with the processes' cluster clients and
 outboxes (`app.pipeline.outbox`). Exact against the brute-force oracle (every match once, the
-HTTP replay too), through a worker SIGKILLed mid-stream and a client resuming by cursor, and
-while partitions move, split and merge (plan changes staged and relayed in waves,
-`app.pipeline.control`), by commands and by the coordinator's rounds, and through the failover
-of dead and stalled workers; continuous kNN too (every list pushed a true top-k, the last ones
-the oracle's). The cluster is accepted only with GEOSWARM_REDIS_CLUSTER_PREVIEW=1 (snapshot
-queries and dead-letter replays are not there yet on a cluster; without it geoswarm refuses
-one: tests/app/test_redis_cluster_refused.py)."""
+HTTP replay too): the live path of range and keyword subscriptions, a worker SIGKILLed
+mid-stream and a client resuming by cursor, partitions moving, splitting and merging (plan
+changes staged and relayed in waves, `app.pipeline.control`) by commands and by the
+coordinator's rounds, the failover of dead and stalled workers, continuous kNN (every list
+pushed a true top-k, the last ones the oracle's), snapshot queries of every type across a move,
+and dead-letter replays."""
 
 from __future__ import annotations
 
@@ -22,7 +21,7 @@ import httpx
 import pytest
 import redis
 
-from app.core.redis import CLUSTER_PREVIEW_ENV
+from app.core.redis import free_port, is_cluster
 from app.pipeline import names
 from tests.conftest import LiveServer, start_server
 from tests.redis_cluster import redis_cluster
@@ -37,14 +36,23 @@ from tests.workers import (
 
 @pytest.fixture(scope="module")
 def on_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
-    tmp = tmp_path_factory.mktemp("cluster-preview")
+    tmp = tmp_path_factory.mktemp("redis-cluster")
     with redis_cluster(tmp / "redis") as url:
-        s = start_server(tmp, url, workers=3, own_db=False, **{CLUSTER_PREVIEW_ENV: "1"})
+        s = start_server(tmp, url, workers=3, own_db=False)
         try:
             s.wait_workers(3)
             yield s
         finally:
             s.stop()
+
+
+def test_a_cluster_node_is_told_from_a_standalone_redis(on_cluster: LiveServer,
+                                                         embedded_redis: Any) -> None:
+    """Told apart once per process by INFO cluster; a Redis that does not answer is taken for
+    a standalone one (the caller meets it as it is)."""
+    assert is_cluster(on_cluster.redis_url)
+    assert not is_cluster(embedded_redis.url)
+    assert not is_cluster(f"redis://127.0.0.1:{free_port()}/0")
 
 
 def test_exact_delivery_on_a_redis_cluster(on_cluster: LiveServer) -> None:
@@ -164,8 +172,7 @@ def test_dead_and_stalled_workers_fail_over_on_a_redis_cluster(tmp_path: Path) -
     time is failed over, commits nothing when it wakes, exits and rejoins; every match once."""
     with redis_cluster(tmp_path / "redis") as url:
         server = start_server(tmp_path, url, workers=3, own_db=False,
-                              GEOSWARM_WORKER_DEAD_AFTER_S="2", GEOSWARM_BALANCE_PERIOD_S="3600",
-                              **{CLUSTER_PREVIEW_ENV: "1"})
+                              GEOSWARM_WORKER_DEAD_AFTER_S="2", GEOSWARM_BALANCE_PERIOD_S="3600")
         try:
             server.wait_workers(3)
             asyncio.run(test_failover._scenario(server))
