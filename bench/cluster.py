@@ -38,6 +38,7 @@ class LiveServer:
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     log_dir: Path = Path(".")
     redis_pid: int | None = None
+    redis_pids: list[int] = field(default_factory=list)  # a Redis Cluster's nodes
     # the processes get SIGTERM when the thread that started them ends (a benchmark killed,
     # by the OOM killer say, leaves no cluster behind); not for tests, which start some from
     # short-lived threads

@@ -23,6 +23,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,7 @@ from app.geo.grid import Grid
 from app.geo.matcher import SubscriptionIndex
 from app.pipeline.hops import API_HOPS, BUCKETS, HUB_HOPS, WORKER_HOPS, quantile
 from bench.cluster import LiveServer, start_server
+from bench.redis_cluster import node_pids, redis_cluster
 from bench.workload import make_objects, make_subscriptions, to_subs
 
 SCENARIOS: dict[str, dict[str, Any]] = {
@@ -63,6 +65,8 @@ def cpu_seconds(server: LiveServer) -> dict[str, float]:
     procs["bench-client"] = psutil.Process()
     if server.redis_pid:
         procs["redis"] = psutil.Process(server.redis_pid)
+    for i, pid in enumerate(server.redis_pids):  # a Redis Cluster's nodes
+        procs[f"redis-{i}"] = psutil.Process(pid)
     for name, proc in procs.items():
         try:
             total = 0.0
@@ -147,10 +151,24 @@ def top_commands(url: str, top: int) -> list[tuple[str, int, float]]:
     commands are counted both in its EVAL or EVALSHA and on their own lines."""
     import redis
 
-    with redis.Redis.from_url(url) as r:
-        stats = r.info("commandstats")
-    rows = sorted(((name.removeprefix("cmdstat_"), int(v["calls"]), float(v["usec"]))
-                   for name, v in stats.items()), key=lambda row: -row[2])
+    from app.core.redis import is_cluster, sync_client
+
+    r = sync_client(url)
+    try:
+        if is_cluster(url):  # summed over the primaries
+            per_node = r.info("commandstats", target_nodes=redis.RedisCluster.PRIMARIES)
+        else:
+            per_node = {url: r.info("commandstats")}
+    finally:
+        r.close()
+    calls: dict[str, int] = {}
+    usec: dict[str, float] = {}
+    for stats in per_node.values():
+        for name, v in stats.items():
+            name = name.removeprefix("cmdstat_")
+            calls[name] = calls.get(name, 0) + int(v["calls"])
+            usec[name] = usec.get(name, 0.0) + float(v["usec"])
+    rows = sorted(((name, calls[name], usec[name]) for name in calls), key=lambda row: -row[2])
     return rows[:top]
 
 
@@ -163,8 +181,16 @@ def redis_commands(url: str, top: int = 8) -> dict[str, str]:
 def reset_redis_stats(url: str) -> None:
     import redis
 
-    with redis.Redis.from_url(url) as r:
-        r.config_resetstat()
+    from app.core.redis import is_cluster, sync_client
+
+    r = sync_client(url)
+    try:
+        if is_cluster(url):
+            r.config_resetstat(target_nodes=redis.RedisCluster.PRIMARIES)
+        else:
+            r.config_resetstat()
+    finally:
+        r.close()
 
 
 TS_PLACEHOLDER = 1_500_000_000.0  # in the bodies encoded ahead, replaced at each send
@@ -366,26 +392,44 @@ async def drive(server: LiveServer, scenario: str, n_subs: int, n_objects: int, 
     }
 
 
+REDIS_MODES = ("one", "outbox", "cluster")
+
+
 def run(scenario: str = "selective", subs: int = 100_000, objects: int = 500_000,
         batch: int = 2_000, rate: float | None = None, workers: int = 2, seed: int = 1,
-        concurrency: int = 4, api_processes: int = 1, summaries: bool = True
-        ) -> dict[str, Any]:
+        concurrency: int = 4, api_processes: int = 1, summaries: bool = True,
+        redis_mode: str = "one") -> dict[str, Any]:
+    """`redis_mode`: one embedded Redis; the same with every write that spans hash slots
+    through outboxes; or a 3-primary Redis Cluster of the embedded binary (its nodes on this
+    machine too)."""
     tmp = Path(tempfile.mkdtemp(prefix="geoswarm-bench-"))
-    redis_server = start_embedded_redis(Settings(data_dir=tmp / "redis"), die_with_parent=True)
-    server = start_server(tmp, redis_server.url, die_with_parent=True, workers=workers,
-                          api_processes=api_processes,
-                          GEOSWARM_RATE_LIMIT_PER_S="0", GEOSWARM_WINDOW_S="120",
-                          GEOSWARM_MAX_BATCH="10000",
-                          GEOSWARM_KEYWORD_SUMMARIES="1" if summaries else "0")
-    try:
+    env = {"GEOSWARM_RATE_LIMIT_PER_S": "0", "GEOSWARM_WINDOW_S": "120",
+           "GEOSWARM_MAX_BATCH": "10000",
+           "GEOSWARM_KEYWORD_SUMMARIES": "1" if summaries else "0",
+           "GEOSWARM_REDIS_OUTBOX": "1" if redis_mode == "outbox" else "0"}
+    with ExitStack() as stack:
+        if redis_mode == "cluster":
+            url = stack.enter_context(redis_cluster(tmp / "redis"))
+            pids = node_pids(url)
+        else:
+            embedded = start_embedded_redis(Settings(data_dir=tmp / "redis"),
+                                            die_with_parent=True)
+            stack.callback(embedded.stop)
+            url, pids = embedded.url, [embedded.process.pid]
+        server = start_server(tmp, url, die_with_parent=True, workers=workers,
+                              api_processes=api_processes, own_db=redis_mode != "cluster",
+                              **env)
+        stack.callback(server.stop)
         server.wait_workers(workers)
-        server.redis_pid = redis_server.process.pid
+        if redis_mode == "cluster":
+            server.redis_pids = pids
+        else:
+            server.redis_pid = pids[0]
         rate = rate if rate is not None else SCENARIOS[scenario]["rate"]
-        return asyncio.run(drive(server, scenario, subs, objects, batch, rate, seed,
-                                 concurrency))
-    finally:
-        server.stop()
-        redis_server.stop()
+        out = asyncio.run(drive(server, scenario, subs, objects, batch, rate, seed,
+                                concurrency))
+        return {"redis": redis_mode, **out}
+    raise AssertionError("unreachable")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -404,15 +448,24 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--summaries", choices=["on", "off", "both"], default="on",
                     help="Tornado's keyword summaries at the routers; both: a run without "
                     "them, then one with them, side by side")
+    ap.add_argument("--redis", default="one",
+                    help="one: one embedded Redis; outbox: the same with writes that span "
+                    "hash slots through outboxes; cluster: a 3-primary Redis Cluster on this "
+                    "machine; several, comma-separated, run side by side (one,cluster)")
     a = ap.parse_args(argv)
+    modes = a.redis.split(",")
+    if any(m not in REDIS_MODES for m in modes):
+        ap.error(f"--redis: choose among {', '.join(REDIS_MODES)}")
     sides = {"on": [True], "off": [False], "both": [False, True]}[a.summaries]
     objects = a.objects or SCENARIOS[a.scenario].get("objects", 500_000)
     outs = [run(a.scenario, a.subs, objects, a.batch, a.rate, a.workers, a.seed,
-                a.concurrency, a.api_processes, summaries=on) for on in sides]
+                a.concurrency, a.api_processes, summaries=on, redis_mode=mode)
+            for mode in modes for on in sides]
     keys = list(dict.fromkeys(k for out in outs for k in out))
     width = max(len(k) for k in keys)
-    if len(outs) > 1:
-        print(f"{'':<{width}}  summaries off  |  summaries on")
+    if len(sides) > 1:
+        print(f"{'':<{width}}  " + "  |  ".join(
+            f"summaries {'on' if on else 'off'}" for _ in modes for on in sides))
     for k in keys:
         print(f"{k:<{width}}  " + "  |  ".join(str(out.get(k)) for out in outs))
 

@@ -54,3 +54,20 @@ def test_comparison_counts_duplicates_missing_and_extra_matches() -> None:
     assert compare_pairs(want, got) == {"expected_matches": 4, "delivered": 7,
                                         "duplicates": 2, "missing": 1, "extra": 2}
     assert compare_pairs(want, want[::-1].copy())["duplicates"] == 0
+
+
+def test_tiny_run_side_by_side_with_outboxes_and_on_a_redis_cluster() -> None:
+    out = run_bench("pipeline", "--scenario", "selective", "--subs", "1000", "--objects", "3000",
+                    "--batch", "500", "--redis", "outbox,cluster")
+    sides: list[dict[str, str]] = [{}, {}]
+    for line in out.stdout.splitlines():
+        key, rest = line.split(None, 1)
+        for side, value in zip(sides, rest.split("|"), strict=True):
+            side[key] = value.strip()
+    assert [s["redis"] for s in sides] == ["outbox", "cluster"]
+    for side in sides:
+        assert int(side["expected_matches"]) > 50
+        assert int(side["delivered"]) == int(side["expected_matches"])
+        assert side["duplicates"] == side["missing"] == side["extra"] == "0"
+    # the cluster's three nodes are counted, and their commands summed
+    assert "redis-2" in sides[1]["cpu_seconds"] and "redis_evalsha" in out.stdout

@@ -13,9 +13,9 @@ import pytest
 import redis
 
 from app.pipeline import names
+from bench.redis_cluster import redis_cluster
 from spark.session import java_available
 from tests.conftest import start_server
-from tests.redis_cluster import redis_cluster
 from tests.spark.archive_oracle import (
     QUERIES,
     SLOW_QUERY_S,

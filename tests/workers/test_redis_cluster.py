@@ -23,8 +23,8 @@ import redis
 
 from app.core.redis import free_port, is_cluster
 from app.pipeline import names
+from bench.redis_cluster import redis_cluster
 from tests.conftest import LiveServer, start_server
-from tests.redis_cluster import redis_cluster
 from tests.workers import (
     test_balancer_e2e,
     test_balancing,

@@ -1,5 +1,5 @@
-"""A real 3-primary Redis Cluster for tests, made of the embedded redis-server binary with its
-redis-cli (`--cluster create`)."""
+"""A real 3-primary Redis Cluster for tests and benchmarks, made of the embedded redis-server
+binary with its redis-cli (`--cluster create`)."""
 
 from __future__ import annotations
 
@@ -75,3 +75,13 @@ def wait(ok: object, timeout: float = 30.0) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError("the cluster did not come up")
         time.sleep(0.1)
+
+
+def node_pids(url: str) -> list[int]:
+    """The process ids of a cluster's primaries (their CPU is counted by the benchmarks)."""
+    client = redis.RedisCluster.from_url(url.rsplit("/", 1)[0])
+    try:
+        infos = client.info("server", target_nodes=redis.RedisCluster.PRIMARIES)
+        return sorted(int(info["process_id"]) for info in infos.values())
+    finally:
+        client.close()
