@@ -39,7 +39,7 @@ from app.core.redis import start_embedded_redis
 from app.geo.grid import Grid
 from app.geo.matcher import SubscriptionIndex
 from app.pipeline.hops import API_HOPS, BUCKETS, HUB_HOPS, WORKER_HOPS, quantile
-from bench.cluster import LiveServer, start_server
+from bench.cluster import UNTHROTTLED, LiveServer, start_server
 from bench.redis_cluster import node_pids, redis_cluster
 from bench.workload import make_objects, make_subscriptions, to_subs
 
@@ -403,8 +403,7 @@ def run(scenario: str = "selective", subs: int = 100_000, objects: int = 500_000
     through outboxes; or a 3-primary Redis Cluster of the embedded binary (its nodes on this
     machine too)."""
     tmp = Path(tempfile.mkdtemp(prefix="geoswarm-bench-"))
-    env = {"GEOSWARM_RATE_LIMIT_PER_S": "0", "GEOSWARM_WINDOW_S": "120",
-           "GEOSWARM_MAX_BATCH": "10000",
+    env = {**UNTHROTTLED, "GEOSWARM_WINDOW_S": "120",
            "GEOSWARM_KEYWORD_SUMMARIES": "1" if summaries else "0",
            "GEOSWARM_REDIS_OUTBOX": "1" if redis_mode == "outbox" else "0"}
     with ExitStack() as stack:

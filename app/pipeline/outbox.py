@@ -46,8 +46,37 @@ SLOTS = 16384
 # outbox entry's id, then each command as its number of arguments and the arguments (a
 # script call is EVAL, the script's sha1, numkeys, keys..., args...). Returns 0 when the
 # entry was applied here already, else {1, one reply per command} (an error reply in place
-# of a failed command, as EXEC would give it: the other commands still apply).
+# of a failed command, as EXEC would give it: the other commands still apply). Lua's unpack
+# fails past about 8 000 values, and a command takes its arguments unpacked: a longer command
+# of a key and repeated fields (a batch's records in one HSET) runs in chunks, its integer
+# replies summed (`run`); tables are built without unpack.
 RELAY_TEMPLATE = """
+local CHUNK = 6000
+local STEP = {HSET = 2, HDEL = 1, SADD = 1, SREM = 1, ZADD = 2, ZREM = 1, XDEL = 1}
+local function slice(t, i, j)
+  local out = {}
+  for k = i, j do out[#out + 1] = t[k] end
+  return out
+end
+local function run(op)
+  local n = #op
+  if n <= CHUNK then return redis.pcall(unpack(op)) end
+  local step = STEP[string.upper(op[1])]
+  if not step then
+    return {err = 'ERR ' .. op[1] .. ' with ' .. n .. ' arguments cannot be relayed'}
+  end
+  local per = math.floor((CHUNK - 2) / step) * step
+  local total = 0
+  local i = 3
+  while i <= n do
+    local j = math.min(n, i + per - 1)
+    local r = redis.pcall(op[1], op[2], unpack(op, i, j))
+    if type(r) == 'table' and r.err then return r end
+    if type(r) == 'number' then total = total + r end
+    i = j + 1
+  end
+  return total
+end
 local function after(a, b)
   local am, as = string.match(a, '^(%d+)-(%d+)$')
   local bm, bs = string.match(b, '^(%d+)-(%d+)$')
@@ -63,17 +92,17 @@ local out = {}
 local a = 3
 while a <= #ARGV do
   local n = tonumber(ARGV[a])
-  local op = {unpack(ARGV, a + 1, a + n)}
+  local op = slice(ARGV, a + 1, a + n)
   a = a + n + 1
   local r
   if op[1] == 'EVAL' then
     local n = tonumber(op[3])
-    local ok, res = pcall(SCRIPTS[op[2]], {unpack(op, 4, 3 + n)}, {unpack(op, 4 + n)})
+    local ok, res = pcall(SCRIPTS[op[2]], slice(op, 4, 3 + n), slice(op, 4 + n, #op))
     if ok then r = res
     elseif type(res) == 'table' then r = res
     else r = {err = tostring(res)} end
   else
-    r = redis.pcall(unpack(op))
+    r = run(op)
   end
   if r == nil then r = false end
   out[#out + 1] = r

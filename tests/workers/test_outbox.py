@@ -91,6 +91,32 @@ def test_replies_in_queued_order_and_everything_applied_once(client: redis.Redis
     assert client.hget(relay_mark_key(slot_of(keys[1])), names.outbox_stream("w0"))
 
 
+# a script as the history script takes its many streams: counts its keys and arguments
+COUNT_ALL = "return {#KEYS, #ARGV, ARGV[#ARGV]}"
+
+
+def test_commands_and_scripts_of_many_arguments_are_relayed(client: redis.Redis) -> None:
+    """Lua unpacks at most about 8 000 values: a batch's records in one HSET (20 000 fields)
+    and a script call of 12 000 keys and arguments are relayed all the same, each with its
+    one reply (the HSET's counted over its chunks)."""
+    relayer = Relayer(client, [COUNT_ALL])
+    client.xadd(OWN, {"m": "x"})
+    eid = client.xreadgroup(names.GROUP, "w0", {OWN: ">"}, count=1)[0][1][0][0]
+    pipe = OutboxPipe(client, OWN, "w0", relayer)
+    pipe.multi()
+    fields = {f"r{i}": f"v{i}" for i in range(20_000)}
+    pipe.hset("far:record", mapping=fields)
+    pipe.hdel("far:record", *(f"r{i}" for i in range(0, 20_000, 2)))
+    pipe.eval(COUNT_ALL, 4_000, *(f"{{h1}}:k{i}" for i in range(4_000)),
+              *(str(i) for i in range(8_000)))
+    pipe.xack(OWN, names.GROUP, eid)
+    out = pipe.execute()
+    assert out[0] == 20_000 and out[1] == 10_000 and out[3] == 1
+    assert out[2] == [4_000, 8_000, b"7999"]
+    assert client.hlen("far:record") == 10_000
+    assert client.hget("far:record", "r19999") == b"v19999"
+
+
 @pytest.mark.parametrize("relayed_before", [0, 1, 2])
 def test_a_relay_cut_short_is_finished_once(client: redis.Redis, relayed_before: int) -> None:
     """The commit stands; `relayed_before` of its slots were relayed when the relay stopped
