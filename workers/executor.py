@@ -201,7 +201,8 @@ class Executor:
         # the scripts a commit may queue (see `commit_pipe`)
         self.cluster = is_cluster(redis_url)
         self.relayer = Relayer(self.redis, (HISTORY_SCRIPT, MERGE_SCRIPT, DROP_WORKER_SCRIPT,
-                                            PLAN_ACTIVATE_SCRIPT, FENCE_TAKE_SCRIPT)
+                                            PLAN_ACTIVATE_SCRIPT, FENCE_TAKE_SCRIPT),
+                               unordered=(HISTORY_SCRIPT, MERGE_SCRIPT)
                                ) if settings.redis_outbox or self.cluster else None
         self.pending_history: list[tuple[str, int, list[str], list[bytes], dict[str, bytes]]] = []
         # Snapshot queries: the window's records, those of the entries being processed (kept

@@ -16,7 +16,9 @@ later than those of the commands queued after it in another slot (records before
 entries that refer to them, a partition's handoff before the plan that gives it). One
 connection runs its commands in order; on a Redis Cluster, whose pipeline sends each node's
 commands on that node's connection, the groups go in *waves* (`waves`): each a run of
-consecutive groups on one node, a wave sent once the one before it has answered.
+consecutive groups on one node, a wave sent once the one before it has answered; a run of
+groups that only append to subscriptions' histories (scripts declared `unordered`: no history
+entry refers to another) is one wave over every node.
 
 Scripts in an entry run inside the relay script, which holds each as a Lua function
 (`relay_script`): Redis cannot call a script from a script.
@@ -246,9 +248,12 @@ class _Relay:
 
     client: Any
 
-    def __init__(self, scripts: Iterable[str]) -> None:
+    def __init__(self, scripts: Iterable[str], unordered: Iterable[str] = ()) -> None:
         scripts = list(scripts)
         self.scripts = {script_sha(t) for t in scripts}
+        # scripts whose calls in different slots may apply in any order among themselves
+        # (each subscription's history appends): a run of groups of them is one wave
+        self.unordered = {script_sha(t).encode() for t in unordered}
         self.text = relay_script(scripts)
         self.sha = script_sha(self.text)  # loaded at its first NOSCRIPT
 
@@ -258,33 +263,46 @@ class _Relay:
 
     def waves(self, groups: list[Group]) -> list[list[Group]]:
         """`groups` cut into runs that one pipeline may send together and still apply in
-        order: all of them on one Redis, each run of consecutive groups on one node on a
-        cluster."""
+        order: all of them on one Redis; on a cluster, each run of consecutive groups on one
+        node, and each run of consecutive groups that only call `unordered` scripts, on any
+        nodes (they may apply in any order among themselves, not before the groups ahead
+        of them)."""
         nodes = getattr(self.client, "nodes_manager", None)
         if nodes is None or len(groups) < 2:
             return [groups]
         out: list[list[Group]] = []
-        last = None
+        last, last_free = None, False
         for g in groups:
+            free = bool(g.ops) and all(op[0].upper() == b"EVAL" and op[1] in self.unordered
+                                       for op in g.ops)
             try:
                 node = nodes.get_node_from_slot(g.slot).name
             except Exception:  # slot map being refreshed: a wave of its own
                 node = None
-            if node is None or node != last:
-                out.append([])
-            out[-1].append(g)
-            last = node
+            joins = (free and last_free) if free or last_free else (
+                node is not None and node == last)
+            if out and joins:
+                out[-1].append(g)
+            else:
+                out.append([g])
+            last, last_free = node, free
         return out
 
-    def _queue(self, pipe: Any, outbox: str, eid: str, groups: list[Group]) -> None:
+    def _queue(self, pipe: Any, outbox: str, eid: str, groups: list[Group],
+               to_node: bool = False) -> None:
+        """`to_node`: name each call's node (redis-py's synchronous cluster pipeline asks a
+        node `COMMAND GETKEYS` for every EVALSHA it routes by itself: a round trip each)."""
+        nodes = getattr(self.client, "nodes_manager", None) if to_node else None
         for g in groups:
             args: list[bytes | int] = []
             for op in g.ops:
                 args.append(len(op))
                 args.extend(op)
+            target = {} if nodes is None else {
+                "target_nodes": nodes.get_node_from_slot(g.slot)}
             # (a cluster's pipeline refuses `evalsha`, not the command: it routes it by its keys)
             pipe.execute_command("EVALSHA", self.sha, 1 + len(g.keys), relay_mark_key(g.slot),
-                                 *g.keys, outbox, eid, *args)
+                                 *g.keys, outbox, eid, *args, **target)
 
 
 def _eid(entry_id: bytes | str) -> str:
@@ -298,8 +316,9 @@ def _replies(raw: list[Any]) -> list[list[Any] | None]:
 class Relayer(_Relay):
     """Relays outbox entries with a synchronous client."""
 
-    def __init__(self, client: Any, scripts: Iterable[str] = ()) -> None:
-        super().__init__(scripts)
+    def __init__(self, client: Any, scripts: Iterable[str] = (),
+                 unordered: Iterable[str] = ()) -> None:
+        super().__init__(scripts, unordered)
         self.client = client
 
     def relay(self, outbox: str, entry_id: bytes | str, groups: list[Group]
@@ -315,7 +334,7 @@ class Relayer(_Relay):
         out: list[Any] = []
         for wave in self.waves(groups):
             pipe = self.client.pipeline(transaction=False)
-            self._queue(pipe, outbox, eid, wave)
+            self._queue(pipe, outbox, eid, wave, to_node=True)
             out.extend(pipe.execute())
         return out
 
@@ -335,8 +354,9 @@ class Relayer(_Relay):
 class AsyncRelayer(_Relay):
     """Relays outbox entries with an asyncio client."""
 
-    def __init__(self, client: Any, scripts: Iterable[str] = ()) -> None:
-        super().__init__(scripts)
+    def __init__(self, client: Any, scripts: Iterable[str] = (),
+                 unordered: Iterable[str] = ()) -> None:
+        super().__init__(scripts, unordered)
         self.client = client
 
     async def relay(self, outbox: str, entry_id: bytes | str, groups: list[Group]

@@ -20,11 +20,20 @@ import redis
 
 from app.pipeline import names
 from app.pipeline.control import PLAN_ACTIVATE_SCRIPT, PLAN_STAGE_SCRIPT, plan_stage_args
-from app.pipeline.outbox import Group, Relayer, decode_ops, group_ops, slot_of
+from app.pipeline.outbox import (
+    Group,
+    Relayer,
+    decode_ops,
+    group_ops,
+    op,
+    script_op,
+    slot_of,
+)
 from bench.cluster import own_database
 from workers.failover import FAILOVER_SCRIPT
 
 RECEIVERS = ["w1", "w2"]
+APPEND = "return redis.call('XADD', KEYS[1], '*', 'm', ARGV[1])"
 KNN_HASH = names.knn_key("s1")
 
 
@@ -151,6 +160,26 @@ def test_waves_are_runs_of_groups_on_one_node() -> None:
     # one Redis: one pipeline, whose connection applies the groups in order
     assert relayer.waves(groups[:1]) == [groups[:1]]
     assert Relayer(redis.Redis()).waves(groups) == [groups]
+
+
+def test_a_run_of_unordered_script_calls_is_one_wave_over_every_node() -> None:
+    """History appends of different subscriptions may apply in any order among themselves,
+    never before the groups ahead of them (the records they name) nor after those behind."""
+    nodes = {1: "a", 2: "b", 3: "a", 4: "b", 5: "c", 6: "a", 7: "a"}
+    relayer = Relayer(_ClusterLike(nodes), [APPEND], unordered=[APPEND])
+    records, forward = Group(1), Group(6)
+    records.add(op("HSET", "r", "f", "v"), [b"r"])
+    forward.add(op("XADD", "s", "*", "m", "x"), [b"s"])
+    appends = []
+    for slot in (2, 3, 4, 5):
+        g = Group(slot)
+        g.add(script_op(op("EVAL", APPEND, 2, "k", "c", "m")), [b"k", b"c"])
+        appends.append(g)
+    mixed = Group(7)  # a script call and a plain command: ordered
+    mixed.add(script_op(op("EVAL", APPEND, 2, "k", "c", "m")), [b"k", b"c"])
+    mixed.add(op("HSET", "r2", "f", "v"), [b"r2"])
+    waves = relayer.waves([records, *appends, forward, mixed])
+    assert [[g.slot for g in w] for w in waves] == [[1], [2, 3, 4, 5], [6, 7]]
 
 
 def stage_failover(client: redis.Redis, starts: bytes | None, fence: bytes | None) -> Any:
