@@ -178,3 +178,51 @@ def test_dead_and_stalled_workers_fail_over_on_a_redis_cluster(tmp_path: Path) -
             asyncio.run(test_failover._scenario(server))
         finally:
             server.stop()
+
+
+def move_slot(url: str, slot: int) -> None:
+    """Move `slot`, with its keys, to another primary, as a reshard does (IMPORTING /
+    MIGRATING, MIGRATE, SETSLOT NODE on every primary)."""
+    client = redis.RedisCluster.from_url(url.rsplit("/", 1)[0])
+    try:
+        src = client.nodes_manager.get_node_from_slot(slot)
+        dst = next(n for n in client.get_primaries() if n.name != src.name)
+        nodes = client.cluster_nodes()
+        src_id, dst_id = nodes[src.name]["node_id"], nodes[dst.name]["node_id"]
+        s, d = src.redis_connection, dst.redis_connection
+        d.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", src_id)
+        s.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", dst_id)
+        keys = s.execute_command("CLUSTER", "GETKEYSINSLOT", slot, 1000)
+        if keys:
+            s.execute_command("MIGRATE", dst.host, dst.port, "", 0, 5000, "KEYS", *keys)
+        for n in client.get_primaries():
+            n.redis_connection.execute_command("CLUSTER", "SETSLOT", slot, "NODE", dst_id)
+    finally:
+        client.close()
+
+
+def test_a_relay_to_a_slot_that_moved_is_sent_again(on_cluster: LiveServer) -> None:
+    """A relay names each call's node from its client's slot map; when the slot has moved
+    since (a reshard), the client's pipeline follows the MOVED reply all the same, and the
+    call applies once."""
+    from app.pipeline.outbox import Group, Relayer, op, slot_of
+
+    url = on_cluster.redis_url
+    client = redis.RedisCluster.from_url(url.rsplit("/", 1)[0])
+    try:
+        stream = "gs:test:{moving-slot}"
+        slot = slot_of(stream)
+        before = client.nodes_manager.get_node_from_slot(slot).name
+        relayer = Relayer(client)
+        group = Group(slot)
+        group.add(op("XADD", stream, "*", "m", "x"), [stream.encode()])
+        move_slot(url, slot)  # the client's slot map still names the old node
+        assert client.nodes_manager.get_node_from_slot(slot).name == before
+        (reply,) = relayer.relay("gs:out:{test}", "1-1", [group])
+        assert reply is not None and b"-" in reply[0]
+        assert client.xlen(stream) == 1
+        assert client.nodes_manager.get_node_from_slot(slot).name != before
+        assert relayer.relay("gs:out:{test}", "1-1", [group]) == [None]  # applied once
+        assert client.xlen(stream) == 1
+    finally:
+        client.close()
