@@ -53,7 +53,11 @@ def haversine_m(lon1: Any, lat1: Any, lon2: Any, lat2: Any) -> Any:
     phi2 = np.radians(np.asarray(lat2, dtype=np.float64))
     dphi = phi2 - phi1
     dlmb = np.radians(np.asarray(lon2, dtype=np.float64) - np.asarray(lon1, dtype=np.float64))
-    a = np.sin(dphi * 0.5) ** 2 + np.cos(phi1) * np.cos(phi2) * np.sin(dlmb * 0.5) ** 2
+    # Squares as products: numpy computes `x ** 2` of a 0-d array with pow(), one ulp off the
+    # product it computes for arrays; a point on a circle's border was then inside by the
+    # oracle's scalar call and outside by the matcher's array call (or the other way round).
+    s1, s2 = np.sin(dphi * 0.5), np.sin(dlmb * 0.5)
+    a = s1 * s1 + np.cos(phi1) * np.cos(phi2) * (s2 * s2)
     d = 2.0 * EARTH_RADIUS_M * np.arcsin(np.sqrt(np.minimum(a, 1.0)))
     if scalar:
         return float(d)

@@ -59,3 +59,14 @@ def test_circle_bbox_is_conservative(
     plat = math.degrees(p2)
     if haversine_m(lon, lat, plon, plat) <= r:
         assert bbox_contains(circle_bbox(lon, lat, r), plon, plat)
+
+
+def test_haversine_of_a_scalar_and_of_an_array_agree_to_the_last_bit() -> None:
+    """The matcher decides circles with arrays, the oracle with scalars: a point on a border
+    must get the same distance both ways (it did not while squares were `** 2`)."""
+    centre = (6.516475612127948, -15.161250750076803)
+    point = (-88.7517820442859, -53.491390977501815)
+    one = haversine_m(*centre, *point)
+    many = haversine_m(np.full(5, centre[0]), np.full(5, centre[1]), np.full(5, point[0]),
+                       np.full(5, point[1]))
+    assert all(d == one for d in many.tolist()), (one, many)
