@@ -14,7 +14,7 @@ from pathlib import Path
 import redis
 
 from app.core.processes import stop_processes
-from app.core.redis import redis_executable
+from app.core.redis import redis_executable, sync_client
 
 
 @contextmanager
@@ -79,7 +79,7 @@ def wait(ok: object, timeout: float = 30.0) -> None:
 
 def node_pids(url: str) -> list[int]:
     """The process ids of a cluster's primaries (their CPU is counted by the benchmarks)."""
-    client = redis.RedisCluster.from_url(url.rsplit("/", 1)[0])
+    client = sync_client(url)
     try:
         infos = client.info("server", target_nodes=redis.RedisCluster.PRIMARIES)
         return sorted(int(info["process_id"]) for info in infos.values())

@@ -10,8 +10,8 @@ import time
 from pathlib import Path
 
 import pytest
-import redis
 
+from app.core.redis import sync_client
 from app.pipeline import names
 from bench.redis_cluster import redis_cluster
 from spark.session import java_available
@@ -41,7 +41,7 @@ def test_queries_over_live_and_archive_on_a_redis_cluster(tmp_path: Path) -> Non
         server = start_server(tmp_path, url, workers=2, own_db=False, GEOSWARM_WINDOW_S="2",
                               GEOSWARM_BUCKET_S="1", GEOSWARM_SPARK_MASTER="local[2]",
                               GEOSWARM_QUERY_TIMEOUT_S=str(SLOW_QUERY_S))
-        client = redis.RedisCluster.from_url(url.rsplit("/", 1)[0])
+        client = sync_client(url)
         try:
             server.wait_workers(2)
             archived = Archived(server, server.new_key("arch"), Oracle(), {"r0": {}})

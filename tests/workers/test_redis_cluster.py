@@ -19,9 +19,8 @@ from typing import Any
 
 import httpx
 import pytest
-import redis
 
-from app.core.redis import free_port, is_cluster
+from app.core.redis import free_port, is_cluster, sync_client
 from app.pipeline import names
 from bench.redis_cluster import redis_cluster
 from tests.conftest import LiveServer, start_server
@@ -57,7 +56,7 @@ def test_a_cluster_node_is_told_from_a_standalone_redis(on_cluster: LiveServer,
 
 def test_exact_delivery_on_a_redis_cluster(on_cluster: LiveServer) -> None:
     asyncio.run(test_pipeline._exact_workload(on_cluster, seed=23))
-    client = redis.RedisCluster.from_url(on_cluster.redis_url.rsplit("/", 1)[0])
+    client = sync_client(on_cluster.redis_url)
     try:
         # the keys are spread over the three nodes, and nothing is left to relay
         per_node = [client.dbsize(target_nodes=n) for n in client.get_primaries()]
@@ -73,7 +72,7 @@ def test_worker_sigkill_and_client_resume_on_a_redis_cluster(on_cluster: LiveSer
 
 def test_exact_delivery_while_partitions_move_on_a_redis_cluster(on_cluster: LiveServer) -> None:
     asyncio.run(test_balancing._moves_during_burst(on_cluster, seed=5))
-    client = redis.RedisCluster.from_url(on_cluster.redis_url.rsplit("/", 1)[0])
+    client = sync_client(on_cluster.redis_url)
     try:
         assert client.xlen(names.CONTROL_OUTBOX) == 0 and not client.exists(names.PLAN_PENDING)
     finally:
@@ -85,7 +84,7 @@ def test_continuous_knn_across_moves_on_a_redis_cluster(on_cluster: LiveServer) 
     history groups' outboxes), with the partitions holding the query points moving and
     splitting: every subscription's last list equals the oracle's."""
     test_balancing.test_continuous_knn_across_moves(on_cluster)
-    client = redis.RedisCluster.from_url(on_cluster.redis_url.rsplit("/", 1)[0])
+    client = sync_client(on_cluster.redis_url)
     try:
         assert not any(client.xlen(o) for o in names.HISTORY_OUTBOXES)
         relayed = {f for key in client.scan_iter(match="gs:relay:*") for f in client.hkeys(key)}
@@ -121,7 +120,7 @@ def test_dead_letters_replayed_on_a_redis_cluster(on_cluster: LiveServer) -> Non
     again under its new id, and the same replay sent again answers the same."""
     from tests.app import test_dead_letters as dl
 
-    store = redis.RedisCluster.from_url(on_cluster.redis_url.rsplit("/", 1)[0])
+    store = sync_client(on_cluster.redis_url)
     try:
         with httpx.Client(base_url=on_cluster.base_url, headers=on_cluster.admin(),
                           timeout=30) as client:
@@ -183,7 +182,7 @@ def test_dead_and_stalled_workers_fail_over_on_a_redis_cluster(tmp_path: Path) -
 def move_slot(url: str, slot: int) -> None:
     """Move `slot`, with its keys, to another primary, as a reshard does (IMPORTING /
     MIGRATING, MIGRATE, SETSLOT NODE on every primary)."""
-    client = redis.RedisCluster.from_url(url.rsplit("/", 1)[0])
+    client = sync_client(url)
     try:
         src = client.nodes_manager.get_node_from_slot(slot)
         dst = next(n for n in client.get_primaries() if n.name != src.name)
@@ -208,7 +207,7 @@ def test_a_relay_to_a_slot_that_moved_is_sent_again(on_cluster: LiveServer) -> N
     from app.pipeline.outbox import Group, Relayer, op, slot_of
 
     url = on_cluster.redis_url
-    client = redis.RedisCluster.from_url(url.rsplit("/", 1)[0])
+    client = sync_client(url)
     try:
         stream = "gs:test:{moving-slot}"
         slot = slot_of(stream)
