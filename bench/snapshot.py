@@ -119,13 +119,17 @@ def world_box(x0: float, y0: float, x1: float, y1: float) -> list[float]:
 
 
 def run(records: int = 1_000_000, queries: int = 200, workers: int = 2, batch: int = 5_000,
-        box_km: float = 5.0, k: int = 10, seed: int = 1) -> dict[str, Any]:
+        box_km: float = 5.0, k: int = 10, seed: int = 1, bucket_s: float | None = None
+        ) -> dict[str, Any]:
+    # `bucket_s`: the window's buckets that narrow (GEOSWARM_BUCKET_S), so that the records of
+    # a run of seconds lie in as many buckets as an hour's window holds (60 by default)
+    extra = {} if bucket_s is None else {"GEOSWARM_BUCKET_S": str(bucket_s)}
     with bench_cluster("geoswarm-bench-snapshot-", workers,
-                       GEOSWARM_QUERY_TIMEOUT_S="120") as server:
+                       GEOSWARM_QUERY_TIMEOUT_S="120", **extra) as server:
         rng = np.random.default_rng(seed)
         objs = make_objects(records, rng)
         key = server.new_key("bench")
-        t0 = time.perf_counter()
+        t0, wall0 = time.perf_counter(), time.time()
         ids = publish(server, key, objs, batch)
         publish_s = time.perf_counter() - t0
         geo = redis.Redis.from_url(server.redis_url)
@@ -133,6 +137,9 @@ def run(records: int = 1_000_000, queries: int = 200, workers: int = 2, batch: i
         h = {"Authorization": f"Bearer {key}"}
         out: dict[str, Any] = {"records": records, "workers": workers,
                                "publish_records_per_s": round(records / publish_s)}
+        if bucket_s is not None:
+            out["bucket_s"] = bucket_s
+            out["buckets"] = int(time.time() // bucket_s) - int(wall0 // bucket_s) + 1
         peer_port = free_port()
         peer_proc = subprocess.Popen(
             [sys.executable, "-m", "bench.geosearch_http", str(peer_port), server.redis_url,
@@ -231,8 +238,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--box-km", type=float, default=5.0, help="side of the range queries' box")
     ap.add_argument("--k", type=int, default=10)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--bucket-s", type=float, default=None,
+                    help="the window's bucket width (GEOSWARM_BUCKET_S, default 60): a narrow "
+                         "one spreads the records of the run over as many buckets as an "
+                         "hour's window holds, as steady publishing does")
     a = ap.parse_args(argv)
-    out = run(a.records, a.queries, a.workers, a.batch, a.box_km, a.k, a.seed)
+    out = run(a.records, a.queries, a.workers, a.batch, a.box_km, a.k, a.seed, a.bucket_s)
     width = max(len(k) for k in out)
     for k, v in out.items():
         print(f"{k:<{width}}  {v}")

@@ -34,9 +34,16 @@ NX, NY = int(round(360 / CELL_DEG)), int(round(180 / CELL_DEG))
 # vectorised test of every row instead (cheaper there than many slices).
 MAX_CELL_ROWS = 16
 INDEXED_ROWS = 4096
+FEW_RUNS = 4  # up to this many runs of cells are sliced one by one (`Chunk.rows_of_bounds`)
 # Chunks of one bucket are merged (`TenantRecords.compact`) while the result stays under this
 # many rows: a query's cost is mostly per chunk, and a stream entry's chunk is small.
 MERGED_ROWS = 100_000
+# As chunks are added, the newest MERGE_FAN of a bucket are merged while the oldest of them is
+# no larger than the others together and all hold at most MERGED_ON_ADD_ROWS rows (tiers: a
+# bucket of n rows added in entries of s rows is in at most (MERGE_FAN - 1) chunks per tier of
+# log_MERGE_FAN(n / s) between the maintenance's merges, and each row is copied once per tier).
+MERGE_FAN = 4
+MERGED_ON_ADD_ROWS = MERGED_ROWS
 
 
 def cell_range(bbox: tuple[float, float, float, float]) -> tuple[int, int, int, int]:
@@ -46,6 +53,35 @@ def cell_range(bbox: tuple[float, float, float, float]) -> tuple[int, int, int, 
             min(NY - 1, max(0, int((y0 + 90) / CELL_DEG))),
             min(NX - 1, max(0, int((x1 + 180) / CELL_DEG))),
             min(NY - 1, max(0, int((y1 + 90) / CELL_DEG))))
+
+
+def run_bounds(ys: I64, xa: I64, xb: I64) -> I64:
+    """The searchsorted bounds of coarse-cell runs (xa[i]..xb[i], ys[i]), inclusive: each
+    run's first cell and the cell after its last, interleaved (in order when the runs are,
+    which numpy's binary search walks faster; xb + 1 searched from the left ends where xb
+    searched from the right does)."""
+    bounds = np.empty(2 * ys.size, dtype=np.int64)
+    bounds[0::2] = ys * NX + xa
+    bounds[1::2] = ys * NX + xb + 1
+    return bounds
+
+
+@dataclass(frozen=True)
+class Region:
+    """A query's bbox with the bounds of the coarse-cell runs it covers, worked out once for
+    every chunk a query reads; `bounds` None: a region over more than MAX_CELL_ROWS rows of
+    cells, read with one vectorised test of every row instead (cheaper than many slices)."""
+
+    bbox: tuple[float, float, float, float]
+    bounds: I64 | None
+
+    @staticmethod
+    def of(bbox: tuple[float, float, float, float]) -> Region:
+        x0, y0, x1, y1 = cell_range(bbox)
+        if y1 - y0 >= MAX_CELL_ROWS:
+            return Region(bbox, None)
+        ys = np.arange(y0, y1 + 1, dtype=np.int64)
+        return Region(bbox, run_bounds(ys, np.full(ys.size, x0), np.full(ys.size, x1)))
 
 
 @dataclass
@@ -66,35 +102,34 @@ class Chunk:
     cells: I64  # the coarse cell of each row in that order
     _last_row: dict[tuple[str, float], int] | None = None
 
-    def rows_in(self, bbox: tuple[float, float, float, float]) -> I64:
-        """Rows (indices) including every row inside a bbox: those of the coarse cells it
-        covers, or those inside it."""
-        x0, y0, x1, y1 = cell_range(bbox)
-        if y1 - y0 >= MAX_CELL_ROWS or self.order.size < INDEXED_ROWS:
-            return np.flatnonzero(bbox_contains(bbox, self.lon, self.lat))
-        ys = np.arange(y0, y1 + 1, dtype=np.int64)
-        return self.rows_of_cells(ys, np.full(ys.size, x0), np.full(ys.size, x1))
+    def rows_in(self, region: Region) -> I64:
+        """Rows (indices) including every row inside the region's bbox: those of the coarse
+        cells it covers, or those inside it."""
+        if region.bounds is None or self.order.size < INDEXED_ROWS:
+            return np.flatnonzero(bbox_contains(region.bbox, self.lon, self.lat))
+        return self.rows_of_bounds(region.bounds)
 
     def rows_in_runs(self, bbox: tuple[float, float, float, float],
                      runs: tuple[I64, I64, I64]) -> I64:
-        """Rows inside a bbox among those of the coarse-cell runs (see `rows_of_cells`); a
-        small chunk tests every row."""
+        """Rows inside a bbox among those of the coarse-cell runs (ys, first xs, last xs;
+        see `run_bounds`); a small chunk tests every row."""
         if self.order.size < INDEXED_ROWS:
             return np.flatnonzero(bbox_contains(bbox, self.lon, self.lat))
-        rows = self.rows_of_cells(*runs)
+        rows = self.rows_of_bounds(run_bounds(*runs))
         return rows[bbox_contains(bbox, self.lon[rows], self.lat[rows])]
 
-    def rows_of_cells(self, ys: I64, xa: I64, xb: I64) -> I64:
-        """The rows of the coarse cells (xa[i]..xb[i], ys[i]) for each i, inclusive (the runs
-        must not overlap, or their rows come more than once): one searchsorted for every
-        run's start and end, the rows gathered without a loop."""
-        # one search for the starts and the ends (xb + 1, searched from the left, ends where
-        # xb searched from the right does), interleaved: in order when the runs are
-        # (`border_runs`), which numpy's binary search walks faster
-        bounds = np.empty(2 * ys.size, dtype=np.int64)
-        bounds[0::2] = ys * NX + xa
-        bounds[1::2] = ys * NX + xb + 1
+    def rows_of_bounds(self, bounds: I64) -> I64:
+        """The rows of the coarse-cell runs whose bounds `run_bounds` made (the runs must not
+        overlap, or their rows come more than once): one searchsorted for every run's start
+        and end; a few runs are sliced, many gathered without a loop."""
         found = np.searchsorted(self.cells, bounds)
+        if found.size <= 2 * FEW_RUNS:
+            ends = found.tolist()
+            slices = [self.order[a:b] for a, b in zip(ends[0::2], ends[1::2], strict=True)
+                      if b > a]
+            if len(slices) == 1:
+                return slices[0]
+            return np.concatenate(slices) if slices else np.empty(0, dtype=np.int64)
         starts = found[0::2]
         lens = found[1::2] - starts
         np.maximum(lens, 0, out=lens)  # an empty run (xb < xa)
@@ -178,6 +213,23 @@ class TenantRecords:
             if seen is None:
                 seen = self.by_object[oid] = deque()
             seen.append((chunk.batch.ts[i], float(chunk.at[i]), chunk.bucket))
+        self._merge_newest()
+
+    def _merge_newest(self) -> None:
+        """Merge the newest MERGE_FAN chunks while they are of one bucket, the oldest of them
+        is no larger than the others together, and all stay within MERGED_ON_ADD_ROWS (see
+        there): a query reads a few chunks per bucket, not one per stream entry, while
+        entries keep arriving."""
+        chunks = self.chunks
+        while len(chunks) >= MERGE_FAN:
+            newest = [chunks[-i] for i in range(MERGE_FAN, 0, -1)]
+            sizes = [c.order.size for c in newest]
+            if (any(c.bucket != newest[0].bucket for c in newest)
+                    or 2 * sizes[0] > sum(sizes) or sum(sizes) > MERGED_ON_ADD_ROWS):
+                return
+            for _ in range(MERGE_FAN):
+                chunks.pop()
+            chunks.append(Chunk.merge(newest))
 
     def compact(self) -> None:
         """Merge runs of consecutive chunks of one bucket into chunks of up to MERGED_ROWS

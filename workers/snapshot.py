@@ -22,7 +22,7 @@ from app.archive.layout import NO_CUT
 from app.geo.geometry import bbox_contains, circle_bbox, haversine_m
 from app.geo.grid import Grid
 from app.pipeline import wire
-from workers.records import CELL_DEG, I64, Chunk, TenantRecords, cell_range
+from workers.records import CELL_DEG, I64, Chunk, Region, TenantRecords, cell_range
 
 Row = tuple[Chunk, int]
 
@@ -197,23 +197,40 @@ def _accepts(records: TenantRecords, part: wire.QueryPart, wanted: frozenset[str
 def _region_rows(records: TenantRecords | None, part: wire.QueryPart
                  ) -> Iterator[tuple[Chunk, Any]]:
     """Per chunk seen by the query (arrived by `as_of`), the rows within its time range and
-    region, read from the cells the region covers."""
+    region: the rows of the cells the region covers, chunk by chunk, then tested against the
+    region in one vectorised call over all of them (a window holds a chunk or more per
+    bucket, sixty buckets an hour: a call per chunk cost more than the test)."""
     if records is None:
         return
     q = part.query
-    for chunk in records.chunks:
-        if chunk.first_at > part.as_of:
-            continue  # arrived after the query started: no round of it may see it
-        if q.bbox is not None:
-            rows = chunk.rows_in(q.bbox)
-            rows = rows[bbox_contains(q.bbox, chunk.lon[rows], chunk.lat[rows])]
-        elif q.circle is not None:
-            lon, lat, radius = q.circle
-            rows = chunk.rows_in(circle_bbox(lon, lat, radius))
-            rows = rows[haversine_m(lon, lat, chunk.lon[rows], chunk.lat[rows]) <= radius]
-        else:
-            rows = np.arange(chunk.ts.size, dtype=np.int64)
-        yield chunk, _in_time(chunk, part, rows)
+    seen = [chunk for chunk in records.chunks if chunk.first_at <= part.as_of]
+    if q.bbox is None and q.circle is None:
+        for chunk in seen:
+            yield chunk, _in_time(chunk, part, np.arange(chunk.ts.size, dtype=np.int64))
+        return
+    if q.bbox is not None:
+        region = Region.of(q.bbox)
+    else:
+        assert q.circle is not None
+        region = Region.of(circle_bbox(*q.circle))
+    found = []
+    for chunk in seen:
+        rows = _in_time(chunk, part, chunk.rows_in(region))
+        if rows.size:
+            found.append((chunk, rows))
+    if not found:
+        return
+    lon = np.concatenate([chunk.lon[rows] for chunk, rows in found])
+    lat = np.concatenate([chunk.lat[rows] for chunk, rows in found])
+    if q.bbox is not None:
+        inside = bbox_contains(q.bbox, lon, lat)
+    else:
+        assert q.circle is not None
+        inside = haversine_m(q.circle[0], q.circle[1], lon, lat) <= q.circle[2]
+    at = 0
+    for chunk, rows in found:
+        yield chunk, rows[inside[at:at + rows.size]]
+        at += rows.size
 
 
 def _matching(records: TenantRecords | None, part: wire.QueryPart) -> list[Row]:
@@ -256,24 +273,30 @@ def _nearest(records: TenantRecords | None, part: wire.QueryPart, worker: str
     while True:
         world = radius >= WORLD_M
         last = world or (cap is not None and radius >= cap)
-        box = circle_bbox(px, py, min(radius, WORLD_M))
+        region = Region.of(circle_bbox(px, py, min(radius, WORLD_M)))
         chunks: list[Chunk] = []
-        parts_c, parts_r, parts_d = [], [], []
+        parts_r, parts_lon, parts_lat = [], [], []
         for chunk in records.chunks:
             if chunk.first_at > part.as_of:
                 continue
-            rows = _in_time(chunk, part, chunk.rows_in(box))
-            d = haversine_m(px, py, chunk.lon[rows], chunk.lat[rows])
-            if not world:
-                keep = d <= radius
-                rows, d = rows[keep], d[keep]
+            rows = _in_time(chunk, part, chunk.rows_in(region))
             if rows.size:
-                parts_c.append(np.full(rows.size, len(chunks), dtype=np.int64))
-                parts_r.append(rows)
-                parts_d.append(d)
                 chunks.append(chunk)
-        taken, more = _take_nearest(records, part, wanted, limit, chunks, parts_c, parts_r,
-                                    parts_d)
+                parts_r.append(rows)
+                parts_lon.append(chunk.lon[rows])
+                parts_lat.append(chunk.lat[rows])
+        if chunks:
+            # one distance call over every chunk's rows (see `_region_rows`)
+            row = np.concatenate(parts_r)
+            which = np.repeat(np.arange(len(chunks), dtype=np.int64),
+                              [r.size for r in parts_r])
+            dist = haversine_m(px, py, np.concatenate(parts_lon), np.concatenate(parts_lat))
+            if not world:
+                keep = dist <= radius
+                which, row, dist = which[keep], row[keep], dist[keep]
+            taken, more = _take_nearest(records, part, wanted, limit, chunks, which, row, dist)
+        else:
+            taken, more = [], False
         if last or more:
             break
         radius = radius * 4 if cap is None else min(radius * 4, cap)
@@ -286,15 +309,13 @@ def _nearest(records: TenantRecords | None, part: wire.QueryPart, worker: str
 
 
 def _take_nearest(records: TenantRecords, part: wire.QueryPart, wanted: frozenset[str],
-                  limit: int, chunks: list[Chunk], parts_c: list[Any], parts_r: list[Any],
-                  parts_d: list[Any]) -> tuple[list[tuple[float, str, float, float, Row]], bool]:
+                  limit: int, chunks: list[Chunk], which: I64, row: I64, dist: Any
+                  ) -> tuple[list[tuple[float, str, float, float, Row]], bool]:
     """The accepted rows up to the limit-th distance (ties included), sorted as the
-    aggregator merges them, and whether one more accepted row lies beyond."""
+    aggregator merges them, and whether one more accepted row lies beyond (candidates: row
+    `row[j]` of chunk `chunks[which[j]]` at `dist[j]`)."""
     # sorted as the aggregator merges: (distance, id, newest record first, latest arrival)
     taken: list[tuple[float, str, float, float, Row]] = []
-    if not chunks:
-        return taken, False
-    which, row, dist = np.concatenate(parts_c), np.concatenate(parts_r), np.concatenate(parts_d)
     more = False
     for j in _by_distance(dist, limit):
         d = float(dist[j])

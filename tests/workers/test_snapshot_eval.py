@@ -28,16 +28,19 @@ NOW = 1_800_000_000.0
 MERGED = {"merged": False}
 
 
-@pytest.fixture(autouse=True, scope="module", params=["cells", "scan", "merged-cells"])
+@pytest.fixture(autouse=True, scope="module",
+                params=["cells", "scan", "merged-cells", "merged-on-add-cells"])
 def read_by(request: pytest.FixtureRequest) -> Iterator[None]:
     """Both ways a chunk finds a region's rows: its cell index (here for chunks of any size)
-    and the scan of every row (small chunks, tall regions); and chunks merged as the window's
-    maintenance merges them."""
-    saved = records.INDEXED_ROWS
+    and the scan of every row (small chunks, tall regions), over one chunk per entry; and
+    chunks merged as the window's maintenance merges them, or as they are added."""
+    saved = records.INDEXED_ROWS, records.MERGED_ON_ADD_ROWS
     records.INDEXED_ROWS = 10**9 if request.param == "scan" else 0
+    if request.param in ("cells", "scan"):
+        records.MERGED_ON_ADD_ROWS = 0
     MERGED["merged"] = request.param == "merged-cells"
     yield
-    records.INDEXED_ROWS = saved
+    records.INDEXED_ROWS, records.MERGED_ON_ADD_ROWS = saved
     MERGED["merged"] = False
 
 # coordinates on the 0.1° cell borders, beside them, and at the world's edges
@@ -249,3 +252,44 @@ def test_merged_chunks_equal_one_built_from_the_joined_rows(sizes: list[int], se
         assert np.array_equal(getattr(merged, name), getattr(built, name)), name
     assert merged.batch.ids == built.batch.ids
     assert (merged.first_at, merged.last_at) == (built.first_at, built.last_at)
+
+
+@settings(max_examples=60, deadline=None)
+@given(sizes=st.lists(st.integers(1, 300), min_size=1, max_size=120),
+       buckets=st.lists(st.integers(0, 2), min_size=1, max_size=120),
+       seed=st.integers(0, 2**32 - 1))
+def test_chunks_merged_as_added_stay_few_and_keep_every_row(sizes: list[int], buckets: list[int],
+                                                             seed: int) -> None:
+    """Entries added one by one are merged into a few chunks per bucket (tiers of MERGE_FAN),
+    never across buckets, rows in arrival order: the same rows, a query the same answer."""
+    rng = np.random.default_rng(seed)
+    w = RecordWindow(3600, 60)
+    bucket, added = 0, []
+    for c, n in enumerate(sizes):
+        bucket += buckets[c % len(buckets)]  # buckets only grow, as arrivals do
+        lon = np.round(rng.uniform(-1, 1, n), 1).tolist()
+        lat = np.round(rng.uniform(-1, 1, n), 1).tolist()
+        w.add(wire.ObjectBatch(
+            tenant="t", sent_at=NOW + c / 1000, plan_version=1,
+            ids=[f"o{c}-{i}" for i in range(n)],
+            record_ids=[f"r{c}-{i}" for i in range(n)], moving=[False] * n, lon=lon, lat=lat,
+            ts=[NOW] * n, keywords=[["a"]] * n, text=[None] * n, props=[None] * n,
+            prev=[None] * n, late=[False] * n, exit_only=[False] * n, decide_exit=[False] * n),
+            bucket)
+        added += [(bucket, f"o{c}-{i}", x, y)
+                  for i, (x, y) in enumerate(zip(lon, lat, strict=True))]
+    chunks = list(w.tenants["t"].chunks)
+    assert [(c.bucket, i, float(c.lon[j]), float(c.lat[j])) for c in chunks
+            for j, i in enumerate(c.batch.ids)] == added
+    per_bucket: dict[int, list[int]] = {}
+    for c in chunks:
+        per_bucket.setdefault(c.bucket, []).append(c.order.size)
+        assert np.array_equal(c.cells, np.sort(c.cells))
+    if records.MERGED_ON_ADD_ROWS:
+        for held in per_bucket.values():
+            # at most MERGE_FAN - 1 chunks per tier of MERGE_FAN (entries of up to 300 rows)
+            tiers = math.ceil(math.log(max(2, sum(held)), records.MERGE_FAN)) + 1
+            assert len(held) <= (records.MERGE_FAN - 1) * tiers, held
+    bbox = (-0.5, -0.5, 0.5, 0.5)
+    got = ask(w, wire.SnapshotQuery(type="count", bbox=bbox)).count
+    assert got == sum(-0.5 <= x <= 0.5 and -0.5 <= y <= 0.5 for _, _, x, y in added)
