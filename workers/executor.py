@@ -663,7 +663,16 @@ class Executor:
                     (bucket, np.fromiter(cells, dtype="<i8", count=len(cells)).tobytes(),
                      np.fromiter(cells.values(), dtype="<i8", count=len(cells)).tobytes())])),
                 names.cell_counts_version_field(field): version})
-        pipe.hset(key, names.CELL_COUNTS_UPTO, self.processed_id)
+        for tenant in sorted({t for t, _ in changed}):
+            # the buckets listed for the readers (`names.cell_counts_key`)
+            held = self.records.tenants.get(tenant)
+            listed = sorted(b for b, c in held.cell_counts.items() if c) if held else []
+            if listed:
+                pipe.hset(key, names.cell_counts_index_field(tenant), " ".join(map(str, listed)))
+            else:
+                pipe.hdel(key, names.cell_counts_index_field(tenant))
+        pipe.hset(key, mapping={names.CELL_COUNTS_UPTO: self.processed_id,
+                                names.CELL_COUNTS_INDEXED: 1})
         pipe.execute()
         self.records.changed = set()
         self.reported = (self.processed_id, now)

@@ -22,7 +22,7 @@ from app.archive.layout import NO_CUT
 from app.geo.geometry import bbox_contains, circle_bbox, haversine_m
 from app.geo.grid import Grid
 from app.pipeline import wire
-from workers.records import CELL_DEG, I64, Chunk, Region, TenantRecords, cell_range
+from workers.records import CELL_DEG, I64, Chunk, Region, TenantRecords, cell_range, run_bounds
 
 Row = tuple[Chunk, int]
 
@@ -91,12 +91,12 @@ def _count_border(records: TenantRecords | None, part: wire.QueryPart, grid: Gri
     w, h = grid.cell_width, grid.cell_height
     rx0, rx1 = grid.bounds[0] + x0 * w, grid.bounds[0] + (x1 + 1) * w
     ry0, ry1 = grid.bounds[1] + y0 * h, grid.bounds[1] + (y1 + 1) * h
-    runs = border_runs((b0, b1, b2, b3), (rx0, ry0, rx1, ry1))
+    bounds = run_bounds(*border_runs((b0, b1, b2, b3), (rx0, ry0, rx1, ry1)))
     total = 0
     for chunk in records.chunks:
         if chunk.first_at > part.as_of:
             continue
-        rows = _in_time(chunk, part, chunk.rows_in_runs(q.bbox, runs))
+        rows = _in_time(chunk, part, chunk.rows_in_runs(q.bbox, bounds))
         total += int(np.count_nonzero(~_in_cells(grid, q.skip_cells, chunk.lon[rows],
                                                  chunk.lat[rows])))
     return total

@@ -23,25 +23,42 @@ from app.pipeline import names, wire
 from app.pipeline.cluster import entry_order
 
 # KEYS[1] = a worker's counts hash; ARGV = its mark field, the tenant, the first and last
-# arrival buckets to read, and the versions the reader holds of those buckets' counts fields,
-# in bucket order, joined by newlines ('' for none): a few arguments whatever the window's
-# length (one per field was 145 us of the api's command packing per count query). Returns
-# the mark (nil if none), then a triple (field, version, counts) per field whose version
-# differs ('' for both when it is gone).
+# arrival buckets to read, the buckets the reader holds counts of among them with their
+# versions ("bucket version" lines), and the field saying the hash lists each tenant's
+# buckets (`names.cell_counts_index_field`). Returns the mark (nil if none), then a triple
+# (field, version, counts) per bucket whose version differs from the one held ('' for both
+# when it is gone). It visits the buckets listed and those held: not every bucket the range
+# could hold (an hour of 1 s buckets is 3 600 of them, most empty); a hash of a worker that
+# does not list them yet is read bucket by bucket over the range.
 READ_SCRIPT = """
 local out = {redis.call('HGET', KEYS[1], ARGV[1])}
+local first, last = tonumber(ARGV[3]), tonumber(ARGV[4])
 local held = {}
-for version in string.gmatch(ARGV[5] .. '\\n', '([^\\n]*)\\n') do held[#held + 1] = version end
-local i = 0
-for bucket = tonumber(ARGV[3]), tonumber(ARGV[4]) do
-  i = i + 1
+for bucket, version in string.gmatch(ARGV[5], '(-?%d+) ([^\\n]*)') do
+  held[tonumber(bucket)] = version
+end
+local function visit(bucket)
   local field = ARGV[2] .. '\\31' .. string.format('%d', bucket)
   local version = redis.call('HGET', KEYS[1], field .. '\\30v') or ''
-  if version ~= (held[i] or '') then
+  if version ~= (held[bucket] or '') then
     out[#out + 1] = field
     out[#out + 1] = version
     out[#out + 1] = (version ~= '' and redis.call('HGET', KEYS[1], field)) or ''
   end
+  held[bucket] = nil
+end
+if redis.call('HEXISTS', KEYS[1], ARGV[6]) == 1 then
+  local listed = redis.call('HGET', KEYS[1], ARGV[2] .. '\\31#') or ''
+  for b in string.gmatch(listed, '-?%d+') do
+    local bucket = tonumber(b)
+    if bucket >= first and bucket <= last then visit(bucket) end
+  end
+  local rest = {}
+  for bucket in pairs(held) do rest[#rest + 1] = bucket end
+  table.sort(rest)
+  for _, bucket in ipairs(rest) do visit(bucket) end
+else
+  for bucket = first, last do visit(bucket) end
 end
 return out
 """
@@ -58,34 +75,40 @@ class BucketCounts:
     counts: Any
 
 
-@dataclass(frozen=True)
+@dataclass
 class HeldCounts:
     """A worker's counts of one tenant as read at one moment: the mark of the entry of its
     stream they count up to (None: not written yet) and the counts per field."""
 
     mark: bytes | None
     fields: dict[str, BucketCounts]
+    # every field's (bucket, cx, cy, counts) joined, made on first use (`count`)
+    joined: tuple[Any, Any, Any, Any] | None = None
 
     def count(self, cells: tuple[int, int, int, int], horizon: int) -> int:
-        """The records in the cells (x0, y0, x1, y1) of the buckets from `horizon` on."""
+        """The records in the cells (x0, y0, x1, y1) of the buckets from `horizon` on: one
+        vectorised test over every bucket's cells (sixty buckets in an hour's window)."""
+        if self.joined is None:
+            held = [h for h in self.fields.values() if h.counts.size]
+            self.joined = (
+                np.repeat(np.array([h.bucket for h in held], dtype=np.int64),
+                          [h.counts.size for h in held]),
+                *(np.concatenate([getattr(h, name) for h in held]) if held
+                  else np.empty(0, dtype=np.int64) for name in ("cx", "cy", "counts")))
+        bucket, cx, cy, counts = self.joined
         x0, y0, x1, y1 = cells
-        total = 0
-        for held in self.fields.values():
-            if held.bucket < horizon or not held.counts.size:
-                continue
-            inside = (held.cx >= x0) & (held.cx <= x1) & (held.cy >= y0) & (held.cy <= y1)
-            total += int(held.counts[inside].sum())
-        return total
+        inside = ((bucket >= horizon) & (cx >= x0) & (cx <= x1) & (cy >= y0) & (cy <= y1))
+        return int(counts[inside].sum())
 
 
 @dataclass(frozen=True)
 class Reading:
-    """Reads queued on a pipeline (`CellCounts.read`): of whose counts, against what was
-    held then, and where their replies start among the pipeline's."""
+    """Reads queued on a pipeline (`CellCounts.read`): of whose counts, of which buckets,
+    against what was held then, and where their replies start among the pipeline's."""
 
     workers: list[str]
     tenant: str
-    fields: list[str]
+    buckets: range
     bases: list[HeldCounts | None]
     first: int
 
@@ -101,28 +124,34 @@ class CellCounts:
         """Queue the read of the workers' counts of the tenant's arrival `buckets` (a range
         of step 1) on `pipe` (give the pipeline's replies to `absorb`)."""
         first = len(pipe)
-        fields = [names.cell_counts_field(tenant, b) for b in buckets]
         bases = [self.held.get((w, tenant)) for w in workers]
         for worker, base in zip(workers, bases, strict=True):
-            held = base.fields if base is not None else {}
-            versions = b"\n".join(held[f].version if f in held else b"" for f in fields)
+            held = b"\n".join(b"%d %s" % (h.bucket, h.version)
+                               for h in (base.fields.values() if base is not None else ())
+                               if h.bucket in buckets)
             run_script(pipe, self._read, [names.cell_counts_key(worker)],
-                       [names.CELL_COUNTS_UPTO, tenant, buckets.start, buckets.stop - 1,
-                        versions])
-        return Reading(workers, tenant, fields, bases, first)
+                       [names.CELL_COUNTS_UPTO, tenant, buckets.start, buckets.stop - 1, held,
+                        names.CELL_COUNTS_INDEXED])
+        return Reading(workers, tenant, buckets, bases, first)
 
     def absorb(self, reading: Reading, results: list[Any], grid: Grid) -> list[HeldCounts]:
         """The counts read, per worker (`results`: the replies of the pipeline `reading` was
         queued on)."""
         replies = results[reading.first:reading.first + len(reading.workers)]
-        return [self._absorb(w, reading.tenant, reading.fields, base, reply, grid)
+        return [self._absorb(w, reading.tenant, reading.buckets, base, reply, grid)
                 for w, base, reply in zip(reading.workers, reading.bases, replies, strict=True)]
 
-    def _absorb(self, worker: str, tenant: str, fields: list[str], base: HeldCounts | None,
+    def _absorb(self, worker: str, tenant: str, buckets: range, base: HeldCounts | None,
                 reply: list[Any], grid: Grid) -> HeldCounts:
         """One worker's counts read (`reply`, against `base`); held from now on unless a
         later state is held already."""
-        kept = {f: base.fields[f] for f in fields if base is not None and f in base.fields}
+        kept = {} if base is None else {f: h for f, h in base.fields.items()
+                                        if h.bucket in buckets}
+        mark = None if reply[0] is None else _bytes(reply[0])
+        if base is not None and len(reply) == 1 and len(kept) == len(base.fields):
+            # nothing changed: the same counts (and their joined arrays), a newer mark
+            now = HeldCounts(mark=mark, fields=base.fields, joined=base.joined)
+            return self._keep(worker, tenant, now)
         for i in range(1, len(reply), 3):
             field = _text(reply[i])
             version, raw = reply[i + 1], reply[i + 2]
@@ -134,8 +163,11 @@ class CellCounts:
                 kept[field] = BucketCounts(version=_bytes(version), bucket=bucket,
                                            cx=cid % grid.nx, cy=cid // grid.nx,
                                            counts=np.frombuffer(counts, dtype="<i8"))
-        mark = None if reply[0] is None else _bytes(reply[0])
-        now = HeldCounts(mark=mark, fields=kept)
+        return self._keep(worker, tenant, HeldCounts(mark=mark, fields=kept))
+
+    def _keep(self, worker: str, tenant: str, now: HeldCounts) -> HeldCounts:
+        """Hold `now` from now on unless a later state is held already."""
+        mark = now.mark
         current = self.held.get((worker, tenant))
         if current is None or current.mark is None or (
                 mark is not None and entry_order(mark) >= entry_order(current.mark)):

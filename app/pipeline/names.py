@@ -234,7 +234,10 @@ def cell_counts_key(worker: str) -> str:
     holds, and field `CELL_COUNTS_UPTO`: the id of its stream's entry up to which (included)
     they count every record. The api answers the whole cells of a count query from them.
     Each counts field has a version field (`cell_counts_version_field`), written with it: the
-    api re-reads only the counts whose version changed."""
+    api re-reads only the counts whose version changed. Per tenant, field
+    `cell_counts_index_field` lists the buckets it has counts of (decimal numbers, spaces
+    between), once field `CELL_COUNTS_INDEXED` says the worker writes those lists: a reader
+    visits the buckets held, however many the window's span could hold."""
     return "gs:cells:" + worker_tag(worker)
 
 
@@ -250,7 +253,13 @@ def cell_counts_field(tenant: str, bucket: int) -> str:
     return f"{tenant}\x1f{bucket}"
 
 
+def cell_counts_index_field(tenant: str) -> str:
+    """The buckets of one tenant's counts fields, written with them (see `cell_counts_key`)."""
+    return f"{tenant}\x1f#"
+
+
 CELL_COUNTS_UPTO = "@"
+CELL_COUNTS_INDEXED = "#"
 
 # The archive (app.archive.layout): per worker, the last arrival bucket whose files are all
 # committed (hash worker -> bucket).

@@ -1,12 +1,14 @@
 """The api's read of the workers' per-cell counts (`CellCounts`): one script call per worker
 returns the mark and only the buckets' counts whose version differs from what the reader
-holds, including buckets gone since. Real Redis; the hash written as a worker writes it."""
+holds, including buckets gone since. Real Redis; the hash written as a worker writes it (with
+each tenant's list of buckets), and as a worker that wrote no such lists did."""
 
 from __future__ import annotations
 
 import asyncio
 
 import numpy as np
+import pytest
 import redis.asyncio as aioredis
 
 from app.geo.grid import Grid
@@ -23,17 +25,29 @@ def _counts(bucket: int, cells: dict[int, int]) -> bytes:
 
 
 async def _write(client: aioredis.Redis, bucket: int, version: str,
-                 cells: dict[int, int] | None) -> None:
+                 cells: dict[int, int] | None, indexed: bool = False) -> None:
+    """One bucket's counts written or deleted; `indexed`: with the tenant's list of buckets
+    (in one transaction, as `Executor._report_counts` writes them)."""
     field = names.cell_counts_field(TENANT, bucket)
     key = names.cell_counts_key("w0")
+    listed = set((await client.hget(key, names.cell_counts_index_field(TENANT)) or b"").split())
+    pipe = client.pipeline(transaction=True)
     if cells is None:
-        await client.hdel(key, field, names.cell_counts_version_field(field))
+        pipe.hdel(key, field, names.cell_counts_version_field(field))
+        listed.discard(str(bucket).encode())
     else:
-        await client.hset(key, mapping={field: _counts(bucket, cells),
-                                        names.cell_counts_version_field(field): version})
+        pipe.hset(key, mapping={field: _counts(bucket, cells),
+                                names.cell_counts_version_field(field): version})
+        listed.add(str(bucket).encode())
+    if indexed:
+        pipe.hset(key, mapping={
+            names.cell_counts_index_field(TENANT): b" ".join(sorted(listed, key=int)),
+            names.CELL_COUNTS_INDEXED: 1})
+    await pipe.execute()
 
 
-def test_only_changed_buckets_are_read_again(redis_db: str) -> None:
+@pytest.mark.parametrize("indexed", [True, False], ids=["listed", "unlisted"])
+def test_only_changed_buckets_are_read_again(redis_db: str, indexed: bool) -> None:
     async def main() -> None:
         client = aioredis.Redis.from_url(redis_db)
         grid = Grid()
@@ -50,19 +64,51 @@ def test_only_changed_buckets_are_read_again(redis_db: str) -> None:
             return held[0].count(whole, buckets.start), changed
 
         await client.hset(names.cell_counts_key("w0"), names.CELL_COUNTS_UPTO, "5-0")
-        await _write(client, -1, "e1.1", {10: 2, 11: 3})
-        await _write(client, 2, "e1.2", {10: 4})
-        await _write(client, 9, "e1.3", {10: 100})  # outside the buckets read
+        await _write(client, -1, "e1.1", {10: 2, 11: 3}, indexed)
+        await _write(client, 2, "e1.2", {10: 4}, indexed)
+        await _write(client, 9, "e1.3", {10: 100}, indexed)  # outside the buckets read
         assert await read() == (9, [names.cell_counts_field(TENANT, -1),
                                     names.cell_counts_field(TENANT, 2)])
         assert await read() == (9, [])  # nothing changed: nothing sent again
-        await _write(client, 2, "e1.4", {10: 4, 12: 1})
-        await _write(client, 3, "e1.5", {13: 7})
+        await _write(client, 2, "e1.4", {10: 4, 12: 1}, indexed)
+        await _write(client, 3, "e1.5", {13: 7}, indexed)
         assert await read() == (17, [names.cell_counts_field(TENANT, 2),
                                      names.cell_counts_field(TENANT, 3)])
-        await _write(client, -1, "", None)  # gone (its records left the window)
+        await _write(client, -1, "", None, indexed)  # gone (its records left the window)
         assert await read() == (12, [names.cell_counts_field(TENANT, -1)])
         assert await read() == (12, [])
+        await client.aclose()
+
+    asyncio.run(main())
+
+
+def test_a_long_range_of_buckets_visits_only_those_listed(redis_db: str) -> None:
+    """An hour of narrow buckets (or a long window) is a range of many buckets, few of them
+    holding records: the read visits the buckets listed and those held, not the range (Redis
+    counts the HGETs a script makes)."""
+    async def main() -> None:
+        client = aioredis.Redis.from_url(redis_db)
+        grid = Grid()
+        counts = CellCounts(client)
+        buckets = range(0, 200_000)
+        whole = (0, 0, grid.nx - 1, grid.ny - 1)
+        await client.hset(names.cell_counts_key("w0"), names.CELL_COUNTS_UPTO, "5-0")
+        for b in (7, 150_000, 199_999):
+            await _write(client, b, f"e1.{b}", {10: 1, 20: 2}, indexed=True)
+
+        async def read() -> tuple[int, int]:
+            before = (await client.info("commandstats")).get("cmdstat_hget", {}).get("calls", 0)
+            pipe = client.pipeline(transaction=False)
+            reading = counts.read(pipe, ["w0"], TENANT, buckets)
+            held = counts.absorb(reading, await pipe.execute(), grid)
+            after = (await client.info("commandstats"))["cmdstat_hget"]["calls"]
+            return held[0].count(whole, buckets.start), after - before
+
+        total, hgets = await read()
+        assert total == 9 and hgets < 1_000
+        await _write(client, 150_000, "", None, indexed=True)
+        total, hgets = await read()
+        assert total == 6 and hgets < 1_000
         await client.aclose()
 
     asyncio.run(main())
