@@ -618,7 +618,8 @@ class SubscriptionIndex:
             # Sorted (object, slot) codes: the pairs an object hits through several of its
             # keywords are adjacent.
             code = np.concatenate(textual) if len(textual) > 1 else textual[0]
-            code.sort()
+            # a few runs sorted by object already (one per bucket): timsort merges them
+            code.sort(kind="stable")
             starts = _run_starts(code)
             if self._n_all:
                 # CONTAINS: a pair matches when every keyword of the sub hit (object keywords
@@ -673,7 +674,7 @@ class SubscriptionIndex:
         kobj = np.repeat(np.arange(n, dtype=np.int64), lens)
         known = ids > 0
         kcode = (kobj[known] << 32) | ids[known]
-        kcode.sort()
+        kcode.sort(kind="stable")  # sorted by object already: timsort sorts each one's few
         if kcode.size > 1:
             kcode = kcode[_run_starts(kcode)]
         return kcode >> 32, kcode & _LOW32
