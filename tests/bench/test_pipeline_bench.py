@@ -65,9 +65,10 @@ def test_tiny_run_side_by_side_with_outboxes_and_on_a_redis_cluster() -> None:
         for side, value in zip(sides, rest.split("|"), strict=True):
             side[key] = value.strip()
     assert [s["redis"] for s in sides] == ["outbox", "cluster"]
+    report = out.stdout + out.stderr[-3000:]  # which side, and what its processes logged
     for side in sides:
-        assert int(side["expected_matches"]) > 50
-        assert int(side["delivered"]) == int(side["expected_matches"])
-        assert side["duplicates"] == side["missing"] == side["extra"] == "0"
+        assert int(side["expected_matches"]) > 50, report
+        assert int(side["delivered"]) == int(side["expected_matches"]), report
+        assert side["duplicates"] == side["missing"] == side["extra"] == "0", report
     # the cluster's three nodes are counted, and their commands summed
     assert "redis-2" in sides[1]["cpu_seconds"] and "redis_evalsha" in out.stdout

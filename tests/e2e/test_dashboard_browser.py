@@ -32,7 +32,10 @@ if not (os.access(CHROMIUM, os.X_OK) and os.access(CHROMEDRIVER, os.X_OK)):
 
 webdriver = pytest.importorskip("selenium.webdriver", reason="selenium (dev extra) not installed")
 
-from selenium.common.exceptions import TimeoutException  # noqa: E402
+from selenium.common.exceptions import (  # noqa: E402
+    StaleElementReferenceException,
+    TimeoutException,
+)
 from selenium.webdriver.chrome.service import Service  # noqa: E402
 from selenium.webdriver.common.action_chains import ActionChains  # noqa: E402
 from selenium.webdriver.common.by import By  # noqa: E402
@@ -249,7 +252,16 @@ def test_dashboard_in_headless_chromium(cluster: LiveServer, browser: Any, tmp_p
     pid, owner = victim["id"], victim["properties"]["worker"]
     other = next(w for w in ("w0", "w1") if w != owner)
     click_partition(pid)
-    assert Select(d.find_element(By.ID, "move-to")).first_selected_option.text == other
+
+    def move_to() -> str | None:
+        """The worker the move form proposes (None while the page redraws the form: its
+        periodic refresh replaces the select between finding it and reading it)."""
+        try:
+            return str(Select(d.find_element(By.ID, "move-to")).first_selected_option.text)
+        except StaleElementReferenceException:
+            return None
+
+    wait("the move form proposes the other worker", lambda: move_to() == other)
     shot("03-selected")
     d.find_element(By.ID, "move-go").click()
     wait("the move is reported", lambda: "moved" in text("message") or "failed" in text("message"))

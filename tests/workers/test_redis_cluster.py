@@ -103,7 +103,7 @@ def test_snapshot_queries_equal_the_oracle_across_a_move_on_a_redis_cluster(
     streams, the plan history read after the sends), before and after a partition move."""
     rng = random.Random(8)
     key = on_cluster.new_key()
-    data, clock = test_snapshot.Records(), [test_snapshot.T0]
+    data, clock = test_snapshot.Records(), [test_snapshot.t0()]
     with httpx.Client(base_url=on_cluster.base_url, timeout=60) as client:
         for _ in range(4):
             test_snapshot.publish(client, key, data, test_snapshot.random_objects(rng, 300, clock))

@@ -34,7 +34,11 @@ from tests.workers.test_pipeline import WORDS
 
 pytestmark = pytest.mark.slow
 
-T0 = time.time() - 3000  # inside the live window (one hour)
+def t0() -> float:
+    """A test's first record time: 50 minutes ago, inside the live window (one hour) for the
+    test's length. Taken when the test starts, not when the module is imported: a test run
+    late in a long suite would otherwise ask about records older than the window."""
+    return time.time() - 3000
 
 
 class Records:
@@ -185,7 +189,7 @@ def test_every_query_type_equals_the_oracle_across_a_move_and_a_worker_crash(
         cluster: LiveServer) -> None:
     rng = random.Random(7)
     key = cluster.new_key()
-    data, clock = Records(), [T0]
+    data, clock = Records(), [t0()]
     with httpx.Client(base_url=cluster.base_url, timeout=60) as client:
         for _ in range(6):
             publish(client, key, data, random_objects(rng, 300, clock))
@@ -216,7 +220,7 @@ def test_every_query_type_equals_the_oracle_across_a_move_and_a_worker_crash(
 
 def test_a_slow_answer_is_polled_by_id(cluster: LiveServer) -> None:
     key, stranger = cluster.new_key(), cluster.new_key()
-    data, clock = Records(), [T0]
+    data, clock = Records(), [t0()]
     with httpx.Client(base_url=cluster.base_url, timeout=60) as client:
         publish(client, key, data, random_objects(random.Random(3), 200, clock))
         q = {"type": "range", "bbox": [-2, -1, 2, 1], "limit": 10_000}
@@ -242,7 +246,7 @@ def test_a_query_waits_for_the_backlog_accepted_before_it(cluster: LiveServer) -
     stream takes) answers only once it has processed them all."""
     key = cluster.new_key()
     rng = random.Random(5)
-    data, clock = Records(), [T0]
+    data, clock = Records(), [t0()]
     batches = [random_objects(rng, 4, clock) for _ in range(300)]
     queries = [{"type": "count", "bbox": [-2, -1, 2, 1], "keywords": WORDS, "match": "any"},
                {"type": "range", "bbox": [-2.5, -1.5, 0.5, 1.5], "limit": 10_000},
@@ -281,7 +285,7 @@ def test_a_query_planned_with_an_older_plan_is_planned_again(cluster: LiveServer
     tenant = "stale-" + secrets.token_hex(3)
     key = cluster.new_key(tenant)
     rng = random.Random(9)
-    data, clock = Records(), [T0]
+    data, clock = Records(), [t0()]
     with pytest.MonkeyPatch.context() as mp:
         for name, value in cluster.env.items():
             mp.setenv(name, value)
@@ -348,7 +352,7 @@ def test_counts_of_whole_cells_come_from_the_workers_counts(cluster: LiveServer)
     partition moved (the previous owner's counts still count)."""
     rng = random.Random(23)
     key = cluster.new_key()
-    data, clock = Records(), [T0]
+    data, clock = Records(), [t0()]
 
     def check(n: int) -> None:
         before = _metadata_counts(client)
