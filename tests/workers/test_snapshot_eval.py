@@ -28,15 +28,14 @@ NOW = 1_800_000_000.0
 MERGED = {"merged": False}
 
 
-@pytest.fixture(autouse=True, scope="module",
-                params=["cells", "scan", "merged-cells", "merged-on-add-cells"])
+@pytest.fixture(autouse=True, scope="module", params=["cells", "scan", "merged-cells"])
 def read_by(request: pytest.FixtureRequest) -> Iterator[None]:
-    """Both ways a chunk finds a region's rows: its cell index (here for chunks of any size)
-    and the scan of every row (small chunks, tall regions), over one chunk per entry; and
-    chunks merged as the window's maintenance merges them, or as they are added."""
+    """Both ways a chunk finds a region's rows: its cell index (here for chunks of any size,
+    merged as they are added) and the scan of every row (small chunks, tall regions; here one
+    chunk per entry); and chunks merged as the window's maintenance merges them."""
     saved = records.INDEXED_ROWS, records.MERGED_ON_ADD_ROWS
     records.INDEXED_ROWS = 10**9 if request.param == "scan" else 0
-    if request.param in ("cells", "scan"):
+    if request.param == "scan":
         records.MERGED_ON_ADD_ROWS = 0
     MERGED["merged"] = request.param == "merged-cells"
     yield
