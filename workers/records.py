@@ -109,13 +109,13 @@ class Chunk:
             return np.flatnonzero(bbox_contains(region.bbox, self.lon, self.lat))
         return self.rows_of_bounds(region.bounds)
 
-    def rows_in_runs(self, bbox: tuple[float, float, float, float], bounds: I64) -> I64:
-        """Rows inside a bbox among those of the coarse-cell runs whose bounds `run_bounds`
-        made; a small chunk tests every row."""
+    def rows_of_runs(self, bbox: tuple[float, float, float, float], bounds: I64) -> I64:
+        """Rows including every row inside a bbox among those of the coarse-cell runs whose
+        bounds `run_bounds` made: the runs' rows, or those inside the bbox (a small chunk
+        tests every row)."""
         if self.order.size < INDEXED_ROWS:
             return np.flatnonzero(bbox_contains(bbox, self.lon, self.lat))
-        rows = self.rows_of_bounds(bounds)
-        return rows[bbox_contains(bbox, self.lon[rows], self.lat[rows])]
+        return self.rows_of_bounds(bounds)
 
     def rows_of_bounds(self, bounds: I64) -> I64:
         """The rows of the coarse-cell runs whose bounds `run_bounds` made (the runs must not

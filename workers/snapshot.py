@@ -92,14 +92,20 @@ def _count_border(records: TenantRecords | None, part: wire.QueryPart, grid: Gri
     rx0, rx1 = grid.bounds[0] + x0 * w, grid.bounds[0] + (x1 + 1) * w
     ry0, ry1 = grid.bounds[1] + y0 * h, grid.bounds[1] + (y1 + 1) * h
     bounds = run_bounds(*border_runs((b0, b1, b2, b3), (rx0, ry0, rx1, ry1)))
-    total = 0
+    lon, lat = [], []
     for chunk in records.chunks:
         if chunk.first_at > part.as_of:
             continue
-        rows = _in_time(chunk, part, chunk.rows_in_runs(q.bbox, bounds))
-        total += int(np.count_nonzero(~_in_cells(grid, q.skip_cells, chunk.lon[rows],
-                                                 chunk.lat[rows])))
-    return total
+        rows = _in_time(chunk, part, chunk.rows_of_runs(q.bbox, bounds))
+        if rows.size:
+            lon.append(chunk.lon[rows])
+            lat.append(chunk.lat[rows])
+    if not lon:
+        return 0
+    # one test over every chunk's rows (see `_region_rows`)
+    x, y = np.concatenate(lon), np.concatenate(lat)
+    return int(np.count_nonzero(bbox_contains(q.bbox, x, y)
+                                & ~_in_cells(grid, q.skip_cells, x, y)))
 
 
 def border_runs(bbox: tuple[float, float, float, float],
