@@ -287,9 +287,12 @@ class Receiver(Listener):
         return np.asarray(codes, dtype=np.int64)
 
 
-async def until_quiet(count: Callable[[], int], want: int, idle_s: float = 15.0) -> None:
+async def until_quiet(count: Callable[[], int], want: int, idle_s: float = 40.0) -> None:
     """Wait until `count()` reaches `want`, or stops growing for `idle_s` (what has not come
-    by then is reported missing; a long run that keeps delivering is waited for)."""
+    by then is reported missing; a long run that keeps delivering is waited for). Longer than
+    the hubs' safety re-read of every history (`GEOSWARM_WS_POLL_S`, 30 s), so that a match
+    reported missing is one that re-read did not find either, not one whose notification
+    was lost."""
     last, since = count(), time.monotonic()
     while last < want:
         await asyncio.sleep(0.02)
