@@ -21,6 +21,7 @@ import math
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from typing import Any
 
@@ -80,6 +81,47 @@ def publish(server: LiveServer, key: str, objs: dict[str, Any], batch: int) -> l
     return ids
 
 
+# Where the background publisher puts its records: open ocean in the South Pacific, over a
+# thousand kilometres from any city, so that every query's answer (near cities) stays the
+# published points' while the workers keep storing new records.
+BACKGROUND_BOX = (-150.0, -60.0, -140.0, -50.0)
+
+
+class Background(threading.Thread):
+    """Publishes `rate` records/s in batches of `batch` while the queries run (a live window
+    under steady ingest: new chunks arrive between the queries)."""
+
+    def __init__(self, server: LiveServer, key: str, rate: float, batch: int, seed: int
+                 ) -> None:
+        super().__init__(daemon=True)
+        self.url, self.rate, self.batch = server.base_url, rate, batch
+        self.headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
+        self.rng = np.random.default_rng(seed)
+        self.stopping = threading.Event()
+        self.sent = 0
+        self.elapsed = 0.0
+
+    def run(self) -> None:
+        x0, y0, x1, y1 = BACKGROUND_BOX
+        started = time.perf_counter()
+        with httpx.Client(base_url=self.url, timeout=120) as client:
+            while not self.stopping.is_set():
+                lon = self.rng.uniform(x0, x1, self.batch).tolist()
+                lat = self.rng.uniform(y0, y1, self.batch).tolist()
+                now = time.time()
+                body = orjson.dumps({"objects": [
+                    {"lon": lon[i], "lat": lat[i], "keywords": ["sea"], "ts": now}
+                    for i in range(self.batch)]})
+                r = client.post("/v1/objects", headers=self.headers, content=body)
+                r.raise_for_status()  # (a benchmark's cluster is unthrottled)
+                self.sent += self.batch
+                # paced: the next batch when the rate says so
+                ahead = started + self.sent / self.rate - time.perf_counter()
+                if ahead > 0:
+                    self.stopping.wait(ahead)
+        self.elapsed = time.perf_counter() - started
+
+
 def load_geo_set(client: redis.Redis, ids: list[str], objs: dict[str, Any]) -> None:
     """GEOADD every point (Redis clamps latitudes to ±85.05; the workload has none beyond)."""
     lon, lat = objs["lon"].tolist(), objs["lat"].tolist()
@@ -119,8 +161,8 @@ def world_box(x0: float, y0: float, x1: float, y1: float) -> list[float]:
 
 
 def run(records: int = 1_000_000, queries: int = 200, workers: int = 2, batch: int = 5_000,
-        box_km: float = 5.0, k: int = 10, seed: int = 1, bucket_s: float | None = None
-        ) -> dict[str, Any]:
+        box_km: float = 5.0, k: int = 10, seed: int = 1, bucket_s: float | None = None,
+        publish_rate: float = 0.0, publish_batch: int = 200) -> dict[str, Any]:
     # `bucket_s`: the window's buckets that narrow (GEOSWARM_BUCKET_S), so that the records of
     # a run of seconds lie in as many buckets as an hour's window holds (60 by default)
     extra = {} if bucket_s is None else {"GEOSWARM_BUCKET_S": str(bucket_s)}
@@ -162,6 +204,11 @@ def run(records: int = 1_000_000, queries: int = 200, workers: int = 2, batch: i
             # answers are checked after the timed loop: the brute force over every point
             # would leave the machine's caches cold for the next query
             checks: list[tuple[str, list[float], Any]] = []
+            background = None
+            if publish_rate > 0:
+                background = Background(server, key, publish_rate, publish_batch, seed + 1)
+                background.start()
+                time.sleep(2.0)  # under way before the first query
             centres = rng.choice(records, size=queries, replace=False)
             half_lon = box_km / 2 / 111.32
             for c in centres.tolist():
@@ -210,6 +257,11 @@ def run(records: int = 1_000_000, queries: int = 200, workers: int = 2, batch: i
                 t = time.perf_counter()
                 client.request("GET", "/v1/queries/q0")
                 times["http_floor"].append((time.perf_counter() - t) * 1000)
+            if background is not None:
+                background.stopping.set()
+                background.join()
+                out["background_records"] = background.sent
+                out["background_records_per_s"] = round(background.sent / background.elapsed)
         finally:
             client.close()
             peer.close()
@@ -242,8 +294,14 @@ def main(argv: list[str] | None = None) -> None:
                     help="the window's bucket width (GEOSWARM_BUCKET_S, default 60): a narrow "
                          "one spreads the records of the run over as many buckets as an "
                          "hour's window holds, as steady publishing does")
+    ap.add_argument("--publish-rate", type=float, default=0.0,
+                    help="records/s published while the queries run, in open ocean away from "
+                         "every query (a window under steady ingest); 0: none")
+    ap.add_argument("--publish-batch", type=int, default=200,
+                    help="records per request of that publishing")
     a = ap.parse_args(argv)
-    out = run(a.records, a.queries, a.workers, a.batch, a.box_km, a.k, a.seed, a.bucket_s)
+    out = run(a.records, a.queries, a.workers, a.batch, a.box_km, a.k, a.seed, a.bucket_s,
+              a.publish_rate, a.publish_batch)
     width = max(len(k) for k in out)
     for k, v in out.items():
         print(f"{k:<{width}}  {v}")
