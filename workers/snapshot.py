@@ -12,6 +12,7 @@ the aggregator's check (`QueryPart.latest_of`), so those records are always list
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Iterator
 from typing import Any
@@ -19,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from app.archive.layout import NO_CUT
-from app.geo.geometry import bbox_contains, circle_bbox, haversine_m
+from app.geo.geometry import EARTH_RADIUS_M, bbox_contains, circle_bbox, haversine_m
 from app.geo.grid import Grid
 from app.pipeline import wire
 from workers.records import CELL_DEG, I64, Chunk, Region, TenantRecords, cell_range, run_bounds
@@ -56,7 +57,7 @@ def evaluate(records: TenantRecords | None, part: wire.QueryPart, worker: str,
                     latest[oid] = best[0]
         return wire.QueryReply(worker=worker, latest=latest)
     if q.type == "knn":
-        return _nearest(records, part, worker)
+        return _nearest(records, part, worker, grid)
     if q.type == "count" and not q.keywords and not q.latest:
         # nothing to check row by row: the rows' numbers
         return wire.QueryReply(worker=worker, count=sum(
@@ -257,11 +258,32 @@ def _matching(records: TenantRecords | None, part: wire.QueryPart) -> list[Row]:
 
 
 FIRST_RADIUS_M = 1_000.0  # knn looks this far first, then 4x as far until it is sure
+FIRST_EXPECTED = 4  # or as far as the density of its grid cell puts this many times k records
 WORLD_M = 2.1e7  # beyond half the circumference every point is within reach
 
 
-def _nearest(records: TenantRecords | None, part: wire.QueryPart, worker: str
-             ) -> wire.QueryReply:
+def first_radius(records: TenantRecords, grid: Grid | None, px: float, py: float,
+                 k: int) -> float:
+    """Where a knn starts looking: the radius of a circle holding FIRST_EXPECTED x k records
+    at the density of the point's cell of the global grid (the window's per-cell counts),
+    so that one or two reads usually suffice, dense city or empty plain; FIRST_RADIUS_M
+    without counts or records in that cell. Any radius gives the same answer (the search
+    grows until it is sure), only sooner."""
+    if grid is None or not records.cell_counts:
+        return FIRST_RADIUS_M
+    cx, cy = grid.cells_of([px], [py])
+    cell = int(grid.cell_id(cx.astype(np.int64), cy.astype(np.int64))[0])
+    n = sum(counts.get(cell, 0) for counts in records.cell_counts.values())
+    if not n:
+        return FIRST_RADIUS_M
+    m_per_deg = math.pi * EARTH_RADIUS_M / 180
+    area = (grid.cell_width * m_per_deg * max(0.01, math.cos(math.radians(py)))
+            * grid.cell_height * m_per_deg)
+    return max(1.0, math.sqrt(FIRST_EXPECTED * k * area / (math.pi * n)))
+
+
+def _nearest(records: TenantRecords | None, part: wire.QueryPart, worker: str,
+             grid: Grid | None = None) -> wire.QueryReply:
     """knn: the `part.limit` nearest rows that satisfy the query, by (distance, id). It reads
     the rows of the cells within a radius (a circle's rows are all there), growing the radius
     until the list is full and one more accepted row beyond its last distance (`truncated`)
@@ -275,7 +297,8 @@ def _nearest(records: TenantRecords | None, part: wire.QueryPart, worker: str
     limit = part.limit or q.k
     wanted = frozenset(q.keywords)
     cap = q.max_distance_m
-    radius = FIRST_RADIUS_M if cap is None else min(FIRST_RADIUS_M, cap)
+    radius = first_radius(records, grid, px, py, limit)
+    radius = radius if cap is None else min(radius, cap)
     while True:
         world = radius >= WORLD_M
         last = world or (cap is not None and radius >= cap)

@@ -74,7 +74,13 @@ def window_of(rows: list[tuple[float, float, set[str]]], grid: Grid | None = Non
 
 def ask(w: RecordWindow, q: wire.SnapshotQuery, limit: int = 0) -> wire.QueryReply:
     return evaluate(w.tenants.get("t"), wire.QueryPart(
-        reply="x", tenant="t", query=q, as_of=NOW + 1, deadline=NOW + 60, limit=limit), "w0")
+        reply="x", tenant="t", query=q, as_of=NOW + 1, deadline=NOW + 60, limit=limit), "w0",
+        w.grid)
+
+
+# knn starts at a radius from the density of the point's cell (`first_radius`): coarse and
+# fine grids, or none (the fixed first radius)
+knn_grid = st.sampled_from([None, Grid(nx=360, ny=180), Grid(), Grid(nx=3600, ny=1800)])
 
 
 @settings(max_examples=200, deadline=None)
@@ -98,10 +104,11 @@ def test_bbox_and_circle_find_what_brute_force_finds(rows: list[Any], data: Any)
 @settings(max_examples=200, deadline=None)
 @given(rows=st.lists(record_st, max_size=40), px=coord_lon, py=coord_lat,
        k=st.integers(1, 6), kw=st.sampled_from([[], ["a"], ["a", "b"]]),
-       match_all=st.booleans())
+       match_all=st.booleans(), grid=knn_grid)
 def test_knn_finds_the_nearest_anywhere(rows: list[Any], px: float, py: float, k: int,
-                                        kw: list[str], match_all: bool) -> None:
-    w = window_of(rows)
+                                        kw: list[str], match_all: bool, grid: Grid | None
+                                        ) -> None:
+    w = window_of(rows, grid)
     reply = ask(w, wire.SnapshotQuery(type="knn", point=(px, py), k=k, keywords=kw,
                                       match_all=match_all), limit=k)
 
@@ -153,12 +160,13 @@ def test_whole_cells_from_counts_plus_the_border_is_the_count(rows: list[Any], d
 
 @settings(max_examples=150, deadline=None)
 @given(rows=st.lists(record_st, max_size=40), px=coord_lon, py=coord_lat,
-       k=st.integers(1, 6), cap=st.floats(0, 3_000_000, allow_nan=False))
+       k=st.integers(1, 6), cap=st.floats(0, 3_000_000, allow_nan=False), grid=knn_grid)
 def test_knn_within_a_distance_finds_the_nearest_within_it(rows: list[Any], px: float,
                                                             py: float, k: int,
-                                                            cap: float) -> None:
+                                                            cap: float, grid: Grid | None
+                                                            ) -> None:
     """The second step of a knn: only records within `max_distance_m`, the nearest first."""
-    w = window_of(rows)
+    w = window_of(rows, grid)
     reply = ask(w, wire.SnapshotQuery(type="knn", point=(px, py), k=k, max_distance_m=cap),
                 limit=k)
     ranked = sorted((haversine_m(px, py, x, y), f"o{i}") for i, (x, y, _) in enumerate(rows)
@@ -292,3 +300,24 @@ def test_chunks_merged_as_added_stay_few_and_keep_every_row(sizes: list[int], bu
     bbox = (-0.5, -0.5, 0.5, 0.5)
     got = ask(w, wire.SnapshotQuery(type="count", bbox=bbox)).count
     assert got == sum(-0.5 <= x <= 0.5 and -0.5 <= y <= 0.5 for _, _, x, y in added)
+
+
+def test_knn_starts_as_far_as_the_density_of_its_cell_says() -> None:
+    """The radius holding FIRST_EXPECTED x k records at the cell's density: 2 000 records in a
+    cell of about 26 x 20 km put 40 within 1.8 km; one in 39 x 20 km, 40 within 100 km; an empty
+    cell, or no counts: the fixed first radius."""
+    from workers.snapshot import FIRST_RADIUS_M, first_radius
+
+    grid = Grid()
+    rng = np.random.default_rng(3)
+    dense = [(float(x), float(y), set()) for x, y in zip(rng.normal(2.35, 0.01, 2000),
+                                                         rng.normal(48.85, 0.01, 2000),
+                                                         strict=True)]
+    w = window_of(dense + [(100.0, 10.0, set())], grid)
+    records_ = w.tenants["t"]
+    dense_r = first_radius(records_, grid, 2.35, 48.85, 10)
+    sparse_r = first_radius(records_, grid, 100.0, 10.0, 10)
+    assert 1_700 < dense_r < 2_000
+    assert 95_000 < sparse_r < 105_000
+    assert first_radius(records_, grid, -40.0, -40.0, 10) == FIRST_RADIUS_M  # nothing there
+    assert first_radius(records_, None, 2.35, 48.85, 10) == FIRST_RADIUS_M
