@@ -303,6 +303,32 @@ async def until_quiet(count: Callable[[], int], want: int, idle_s: float = 40.0)
             return
 
 
+async def diagnose_missing(client: httpx.AsyncClient, headers: dict[str, str], missing: Any,
+                           sub_ids: list[str], obj_ids: list[str | None], n: int,
+                           most: int = 10, pages: int = 50) -> dict[str, list[str]]:
+    """For up to `most` missing pairs (codes, see `expected_pairs`): whether the subscription's
+    retained history (`GET /v1/subscriptions/{id}/matches`) holds the object, i.e. the match
+    was written and did not reach the WebSocket, or does not, i.e. it was never written
+    (`subscription/object` ids; a history is read up to `pages` pages)."""
+    out: dict[str, list[str]] = {"written_not_delivered": [], "never_written": []}
+    for code in np.asarray(missing, dtype=np.int64)[:most].tolist():
+        sid, oid = sub_ids[code // n], obj_ids[code % n]
+        seen: set[str] = set()
+        params: dict[str, Any] = {"limit": 1000}
+        for _ in range(pages):
+            r = await client.get(f"/v1/subscriptions/{sid}/matches", headers=headers,
+                                 params=params)
+            r.raise_for_status()
+            body = r.json()
+            seen.update(m["object"]["id"] for m in body["items"] if m.get("type") == "match")
+            if not body["items"] or not body.get("next_cursor"):
+                break
+            params["since"] = body["next_cursor"]
+        key = "written_not_delivered" if oid in seen else "never_written"
+        out[key].append(f"{sid}/{oid}")
+    return out
+
+
 async def subscribe(client: httpx.AsyncClient, headers: dict[str, str],
                     specs: list[dict[str, Any]], per_request: int = 10_000) -> list[str]:
     """Create the subscriptions in batches; their ids in order."""
@@ -375,6 +401,12 @@ async def drive(server: LiveServer, scenario: str, n_subs: int, n_objects: int, 
     got = receiver.parse({s: i for i, s in enumerate(sub_ids)},
                          {o: i for i, o in enumerate(obj_ids) if o is not None}, n_objects)
     counts = compare_pairs(expected, got)
+    diagnosis: dict[str, Any] = {}
+    if counts["missing"]:
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=60) as client:
+            diagnosis = {"missing_diagnosis": await diagnose_missing(
+                client, h, np.setdiff1d(expected, np.unique(got), assume_unique=True),
+                sub_ids, obj_ids, n_objects)}
     lat_ms = sorted(receiver.latency_ms)
 
     def pct(p: float) -> float:
@@ -391,7 +423,7 @@ async def drive(server: LiveServer, scenario: str, n_subs: int, n_objects: int, 
         "latency_ms_p99": round(pct(0.99), 1),
         "latency_ms_mean": round(statistics.fmean(lat_ms), 1) if lat_ms else None,
         "cpu_seconds": cpu, "wall_seconds": round(done_s, 1), **rows, **hops,
-        **commands,
+        **commands, **diagnosis,
     }
 
 

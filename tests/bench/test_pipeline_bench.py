@@ -4,6 +4,11 @@ Redis's own account of its time in the report."""
 
 from __future__ import annotations
 
+import asyncio
+import time
+
+import httpx
+import numpy as np
 import pytest
 
 from tests.bench import run_bench
@@ -45,8 +50,6 @@ def test_keyword_workload_side_by_side_with_and_without_summaries() -> None:
 
 
 def test_comparison_counts_duplicates_missing_and_extra_matches() -> None:
-    import numpy as np
-
     from bench.pipeline import compare_pairs
 
     want = np.array([3, 7, 12, 40], dtype=np.int64)
@@ -72,3 +75,41 @@ def test_tiny_run_side_by_side_with_outboxes_and_on_a_redis_cluster() -> None:
         assert side["duplicates"] == side["missing"] == side["extra"] == "0", report
     # the cluster's three nodes are counted, and their commands summed
     assert "redis-2" in sides[1]["cpu_seconds"] and "redis_evalsha" in out.stdout
+
+
+def test_a_missing_match_is_told_written_or_never_written() -> None:
+    """How the benchmark explains a match it did not receive: a real cluster, one range
+    subscription, an object inside it (its match is in the subscription's history: written,
+    so lost on the way to the WebSocket had it been missing) and one outside (never
+    written)."""
+    from bench.cluster import bench_cluster
+    from bench.pipeline import diagnose_missing
+
+    with bench_cluster("geoswarm-test-diagnose-", 1) as server:
+        key = server.new_key("diag")
+        h = {"Authorization": f"Bearer {key}"}
+        r = httpx.post(server.base_url + "/v1/subscriptions", headers=h, timeout=10,
+                       json={"type": "range", "bbox": [10.0, 10.0, 11.0, 11.0]})
+        assert r.status_code == 201, r.text
+        sid = r.json()["id"]
+        r = httpx.post(server.base_url + "/v1/objects", headers=h, timeout=10, json={
+            "objects": [{"lon": 10.5, "lat": 10.5}, {"lon": 20.0, "lat": 20.0}]})
+        assert r.status_code == 202, r.text
+        inside, outside = r.json()["ids"]
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            items = httpx.get(f"{server.base_url}/v1/subscriptions/{sid}/matches", headers=h,
+                              timeout=10).json()["items"]
+            if items:
+                break
+            time.sleep(0.1)
+        assert [m["object"]["id"] for m in items] == [inside]
+
+        async def diagnose() -> dict[str, list[str]]:
+            async with httpx.AsyncClient(base_url=server.base_url, timeout=10) as client:
+                # codes: subscription 0 of [sid], objects 0 and 1 of [inside, outside]
+                return await diagnose_missing(client, h, np.array([0, 1]), [sid],
+                                              [inside, outside], 2)
+
+        assert asyncio.run(diagnose()) == {"written_not_delivered": [f"{sid}/{inside}"],
+                                           "never_written": [f"{sid}/{outside}"]}
