@@ -64,6 +64,40 @@ return out
 """
 
 
+# KEYS[1] = a worker's counts hash; ARGV = the tenant, the first and last arrival buckets, the
+# field saying the hash lists each tenant's buckets. Returns the counts of the tenant's buckets
+# in that range: of the buckets listed, or, in a hash without the lists, of every bucket of
+# the range (see READ_SCRIPT).
+TOTALS_SCRIPT = """
+local first, last = tonumber(ARGV[2]), tonumber(ARGV[3])
+local out = {}
+local function take(bucket)
+  local counts = redis.call('HGET', KEYS[1], ARGV[1] .. '\\31' .. string.format('%d', bucket))
+  if counts then out[#out + 1] = counts end
+end
+if redis.call('HEXISTS', KEYS[1], ARGV[4]) == 1 then
+  local listed = redis.call('HGET', KEYS[1], ARGV[1] .. '\\31#') or ''
+  for b in string.gmatch(listed, '-?%d+') do
+    local bucket = tonumber(b)
+    if bucket >= first and bucket <= last then take(bucket) end
+  end
+else
+  for bucket = first, last do take(bucket) end
+end
+return out
+"""
+
+
+def read_totals(pipe: Any, script: Any, workers: list[str], tenant: str, buckets: range
+                ) -> None:
+    """Queue the read of the workers' counts of the tenant's `buckets` (a range of step 1) on
+    `pipe`: one reply per worker, the list of its buckets' `wire.CellCounts` (for
+    `knnreg.cell_totals`); `script` is TOTALS_SCRIPT registered on the client."""
+    for worker in workers:
+        run_script(pipe, script, [names.cell_counts_key(worker)],
+                   [tenant, buckets.start, buckets.stop - 1, names.CELL_COUNTS_INDEXED])
+
+
 @dataclass(frozen=True)
 class BucketCounts:
     """One bucket's counts of one tenant on one worker: cells (x, y) and their records."""
@@ -90,11 +124,15 @@ class HeldCounts:
         vectorised test over every bucket's cells (sixty buckets in an hour's window)."""
         if self.joined is None:
             held = [h for h in self.fields.values() if h.counts.size]
-            self.joined = (
-                np.repeat(np.array([h.bucket for h in held], dtype=np.int64),
-                          [h.counts.size for h in held]),
-                *(np.concatenate([getattr(h, name) for h in held]) if held
-                  else np.empty(0, dtype=np.int64) for name in ("cx", "cy", "counts")))
+
+            def joined(name: str) -> Any:
+                if not held:
+                    return np.empty(0, dtype=np.int64)
+                return np.concatenate([getattr(h, name) for h in held])
+
+            self.joined = (np.repeat(np.array([h.bucket for h in held], dtype=np.int64),
+                                     [h.counts.size for h in held]),
+                           joined("cx"), joined("cy"), joined("counts"))
         bucket, cx, cy, counts = self.joined
         x0, y0, x1, y1 = cells
         inside = ((bucket >= horizon) & (cx >= x0) & (cx <= x1) & (cy >= y0) & (cy <= y1))

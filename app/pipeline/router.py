@@ -25,6 +25,7 @@ from app.geo.history import history_plan, sample_cells
 from app.geo.index import GlobalIndex, IntArray, Plan, initial_plan
 from app.models import Subscription
 from app.pipeline import knnreg, names, records, wire
+from app.pipeline.cellcounts import TOTALS_SCRIPT, read_totals
 from app.pipeline.cluster import ALLOCATE_IDS_SCRIPT, live_workers, load_plan, part_seq_floor
 from app.pipeline.control import history_entry
 from app.pipeline.outbox import AsyncRelayer, encode_ops, op
@@ -263,6 +264,7 @@ class Router:
         # tenant -> (when read, cell -> records in the window): the first radius of kNN
         # registrations (one read serves the subscriptions created in the same second)
         self._cell_totals: dict[str, tuple[float, knnreg.CountGrid]] = {}
+        self._totals = redis.register_script(TOTALS_SCRIPT)
         # tenant -> (when read, worker -> its keyword summary of the tenant)
         self._summaries: dict[str, tuple[float, dict[str, RoutedSummary]]] = {}
         self.summaries = settings.keyword_summaries and not self.replicated
@@ -620,11 +622,10 @@ class Router:
             return held[1]
         s = self.settings
         horizon = int((now - s.window_s) // s.bucket_s)
-        fields = [names.cell_counts_field(tenant, b)
-                  for b in range(horizon, int(now // s.bucket_s) + 3)]
         pipe = self.redis.pipeline(transaction=False)
-        for w in index.workers:
-            pipe.hmget(names.cell_counts_key(w), fields)
+        # the window's buckets (a little past now: another process's clock), those listed
+        read_totals(pipe, self._totals, list(index.workers), tenant,
+                    range(horizon, int(now // s.bucket_s) + 3))
         got = await pipe.execute()
         totals = knnreg.CountGrid(index.grid,
                                   knnreg.cell_totals((r for per in got for r in per), horizon))

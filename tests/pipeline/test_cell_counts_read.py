@@ -112,3 +112,29 @@ def test_a_long_range_of_buckets_visits_only_those_listed(redis_db: str) -> None
         await client.aclose()
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("indexed", [True, False], ids=["listed", "unlisted"])
+def test_totals_for_knn_radii_read_the_buckets_in_range(redis_db: str, indexed: bool) -> None:
+    """What the routers read to size kNN registrations (`read_totals`): the counts of every
+    bucket of the range that holds some, summed per cell; with the lists, without reading
+    the range bucket by bucket."""
+    from app.pipeline.cellcounts import TOTALS_SCRIPT, read_totals
+    from app.pipeline.knnreg import cell_totals
+
+    async def main() -> None:
+        client = aioredis.Redis.from_url(redis_db)
+        script = client.register_script(TOTALS_SCRIPT)
+        await _write(client, 5, "e1.1", {10: 2, 11: 3}, indexed)
+        await _write(client, 90_000, "e1.2", {10: 4}, indexed)
+        await _write(client, 200_001, "e1.3", {10: 100}, indexed)  # outside the range
+        before = (await client.info("commandstats")).get("cmdstat_hget", {}).get("calls", 0)
+        pipe = client.pipeline(transaction=False)
+        read_totals(pipe, script, ["w0"], TENANT, range(0, 200_000))
+        got = await pipe.execute()
+        hgets = (await client.info("commandstats"))["cmdstat_hget"]["calls"] - before
+        assert cell_totals((r for per in got for r in per), 0) == {10: 6, 11: 3}
+        assert (hgets < 1_000) == indexed
+        await client.aclose()
+
+    asyncio.run(main())
