@@ -22,17 +22,33 @@ from app.geo.grid import Grid
 from app.pipeline import names, wire
 from app.pipeline.cluster import entry_order
 
+# Lua: call visit(bucket) for each bucket of a tenant's counts in [first, last] that a worker's
+# counts hash lists (`names.cell_counts_index_field`), in order; in a hash without the lists
+# (field `indexed` absent: a worker of an earlier version), for every bucket of the range.
+# Visiting the buckets listed, not every bucket the range could hold: an hour of 1 s buckets
+# is 3 600 of them, most empty.
+EACH_BUCKET_LUA = """
+local function each_bucket(key, tenant, first, last, indexed, visit)
+  if redis.call('HEXISTS', key, indexed) == 0 then
+    for bucket = first, last do visit(bucket) end
+    return
+  end
+  local listed = redis.call('HGET', key, tenant .. '\\31#') or ''
+  for b in string.gmatch(listed, '-?%d+') do
+    local bucket = tonumber(b)
+    if bucket >= first and bucket <= last then visit(bucket) end
+  end
+end
+"""
+
 # KEYS[1] = a worker's counts hash; ARGV = its mark field, the tenant, the first and last
 # arrival buckets to read, the buckets the reader holds counts of among them with their
 # versions ("bucket version" lines), and the field saying the hash lists each tenant's
-# buckets (`names.cell_counts_index_field`). Returns the mark (nil if none), then a triple
-# (field, version, counts) per bucket whose version differs from the one held ('' for both
-# when it is gone). It visits the buckets listed and those held: not every bucket the range
-# could hold (an hour of 1 s buckets is 3 600 of them, most empty); a hash of a worker that
-# does not list them yet is read bucket by bucket over the range.
-READ_SCRIPT = """
+# buckets. Returns the mark (nil if none), then a triple (field, version, counts) per bucket
+# whose version differs from the one held ('' for both when it is gone): of the buckets
+# listed (`EACH_BUCKET_LUA`), then of those held but no longer listed.
+READ_SCRIPT = EACH_BUCKET_LUA + """
 local out = {redis.call('HGET', KEYS[1], ARGV[1])}
-local first, last = tonumber(ARGV[3]), tonumber(ARGV[4])
 local held = {}
 for bucket, version in string.gmatch(ARGV[5], '(-?%d+) ([^\\n]*)') do
   held[tonumber(bucket)] = version
@@ -47,43 +63,24 @@ local function visit(bucket)
   end
   held[bucket] = nil
 end
-if redis.call('HEXISTS', KEYS[1], ARGV[6]) == 1 then
-  local listed = redis.call('HGET', KEYS[1], ARGV[2] .. '\\31#') or ''
-  for b in string.gmatch(listed, '-?%d+') do
-    local bucket = tonumber(b)
-    if bucket >= first and bucket <= last then visit(bucket) end
-  end
-  local rest = {}
-  for bucket in pairs(held) do rest[#rest + 1] = bucket end
-  table.sort(rest)
-  for _, bucket in ipairs(rest) do visit(bucket) end
-else
-  for bucket = first, last do visit(bucket) end
-end
+each_bucket(KEYS[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4]), ARGV[6], visit)
+local rest = {}
+for bucket in pairs(held) do rest[#rest + 1] = bucket end
+table.sort(rest)
+for _, bucket in ipairs(rest) do visit(bucket) end
 return out
 """
 
-
 # KEYS[1] = a worker's counts hash; ARGV = the tenant, the first and last arrival buckets, the
-# field saying the hash lists each tenant's buckets. Returns the counts of the tenant's buckets
-# in that range: of the buckets listed, or, in a hash without the lists, of every bucket of
-# the range (see READ_SCRIPT).
-TOTALS_SCRIPT = """
-local first, last = tonumber(ARGV[2]), tonumber(ARGV[3])
+# field saying the hash lists each tenant's buckets. Returns the counts of the tenant's
+# buckets in that range (`EACH_BUCKET_LUA`).
+TOTALS_SCRIPT = EACH_BUCKET_LUA + """
 local out = {}
 local function take(bucket)
   local counts = redis.call('HGET', KEYS[1], ARGV[1] .. '\\31' .. string.format('%d', bucket))
   if counts then out[#out + 1] = counts end
 end
-if redis.call('HEXISTS', KEYS[1], ARGV[4]) == 1 then
-  local listed = redis.call('HGET', KEYS[1], ARGV[1] .. '\\31#') or ''
-  for b in string.gmatch(listed, '-?%d+') do
-    local bucket = tonumber(b)
-    if bucket >= first and bucket <= last then take(bucket) end
-  end
-else
-  for bucket = first, last do take(bucket) end
-end
+each_bucket(KEYS[1], ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4], take)
 return out
 """
 
