@@ -68,9 +68,11 @@ def run_bounds(ys: I64, xa: I64, xb: I64) -> I64:
 
 @dataclass(frozen=True)
 class Region:
-    """A query's bbox with the bounds of the coarse-cell runs it covers, worked out once for
-    every chunk a query reads; `bounds` None: a region over more than MAX_CELL_ROWS rows of
-    cells, read with one vectorised test of every row instead (cheaper than many slices)."""
+    """A query's bbox with the bounds of the coarse-cell runs to read in it (`run_bounds`; all
+    the cells it covers, or, for a count's border, those outside the whole cells), worked
+    out once for every chunk a query reads; `bounds` None: a region over more than
+    MAX_CELL_ROWS rows of cells, read with one vectorised test of every row instead (cheaper
+    than many slices)."""
 
     bbox: tuple[float, float, float, float]
     bounds: I64 | None
@@ -103,19 +105,12 @@ class Chunk:
     _last_row: dict[tuple[str, float], int] | None = None
 
     def rows_in(self, region: Region) -> I64:
-        """Rows (indices) including every row inside the region's bbox: those of the coarse
-        cells it covers, or those inside it."""
+        """Rows (indices) including every row inside the region's bbox within its runs of
+        cells: those of the runs, or, without runs or in a small chunk, every row inside the
+        bbox (the caller tests the rows read)."""
         if region.bounds is None or self.order.size < INDEXED_ROWS:
             return np.flatnonzero(bbox_contains(region.bbox, self.lon, self.lat))
         return self.rows_of_bounds(region.bounds)
-
-    def rows_of_runs(self, bbox: tuple[float, float, float, float], bounds: I64) -> I64:
-        """Rows including every row inside a bbox among those of the coarse-cell runs whose
-        bounds `run_bounds` made: the runs' rows, or those inside the bbox (a small chunk
-        tests every row)."""
-        if self.order.size < INDEXED_ROWS:
-            return np.flatnonzero(bbox_contains(bbox, self.lon, self.lat))
-        return self.rows_of_bounds(bounds)
 
     def rows_of_bounds(self, bounds: I64) -> I64:
         """The rows of the coarse-cell runs whose bounds `run_bounds` made (the runs must not

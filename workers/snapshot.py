@@ -92,19 +92,8 @@ def _count_border(records: TenantRecords | None, part: wire.QueryPart, grid: Gri
     w, h = grid.cell_width, grid.cell_height
     rx0, rx1 = grid.bounds[0] + x0 * w, grid.bounds[0] + (x1 + 1) * w
     ry0, ry1 = grid.bounds[1] + y0 * h, grid.bounds[1] + (y1 + 1) * h
-    bounds = run_bounds(*border_runs((b0, b1, b2, b3), (rx0, ry0, rx1, ry1)))
-    lon, lat = [], []
-    for chunk in records.chunks:
-        if chunk.first_at > part.as_of:
-            continue
-        rows = _in_time(chunk, part, chunk.rows_of_runs(q.bbox, bounds))
-        if rows.size:
-            lon.append(chunk.lon[rows])
-            lat.append(chunk.lat[rows])
-    if not lon:
-        return 0
-    # one test over every chunk's rows (see `_region_rows`)
-    x, y = np.concatenate(lon), np.concatenate(lat)
+    region = Region(q.bbox, run_bounds(*border_runs((b0, b1, b2, b3), (rx0, ry0, rx1, ry1))))
+    _, x, y = _candidates(records, part, region)
     return int(np.count_nonzero(bbox_contains(q.bbox, x, y)
                                 & ~_in_cells(grid, q.skip_cells, x, y)))
 
@@ -204,31 +193,22 @@ def _accepts(records: TenantRecords, part: wire.QueryPart, wanted: frozenset[str
 def _region_rows(records: TenantRecords | None, part: wire.QueryPart
                  ) -> Iterator[tuple[Chunk, Any]]:
     """Per chunk seen by the query (arrived by `as_of`), the rows within its time range and
-    region: the rows of the cells the region covers, chunk by chunk, then tested against the
-    region in one vectorised call over all of them (a window holds a chunk or more per
-    bucket, sixty buckets an hour: a call per chunk cost more than the test)."""
+    region: the rows of the cells the region covers (`_candidates`), tested against the
+    region in one vectorised call over all of them."""
     if records is None:
         return
     q = part.query
-    seen = [chunk for chunk in records.chunks if chunk.first_at <= part.as_of]
     if q.bbox is None and q.circle is None:
-        for chunk in seen:
-            yield chunk, _in_time(chunk, part, np.arange(chunk.ts.size, dtype=np.int64))
+        for chunk in records.chunks:
+            if chunk.first_at <= part.as_of:
+                yield chunk, _in_time(chunk, part, np.arange(chunk.ts.size, dtype=np.int64))
         return
     if q.bbox is not None:
         region = Region.of(q.bbox)
     else:
         assert q.circle is not None
         region = Region.of(circle_bbox(*q.circle))
-    found = []
-    for chunk in seen:
-        rows = _in_time(chunk, part, chunk.rows_in(region))
-        if rows.size:
-            found.append((chunk, rows))
-    if not found:
-        return
-    lon = np.concatenate([chunk.lon[rows] for chunk, rows in found])
-    lat = np.concatenate([chunk.lat[rows] for chunk, rows in found])
+    found, lon, lat = _candidates(records, part, region)
     if q.bbox is not None:
         inside = bbox_contains(q.bbox, lon, lat)
     else:
@@ -238,6 +218,26 @@ def _region_rows(records: TenantRecords | None, part: wire.QueryPart
     for chunk, rows in found:
         yield chunk, rows[inside[at:at + rows.size]]
         at += rows.size
+
+
+def _candidates(records: TenantRecords, part: wire.QueryPart, region: Region
+                ) -> tuple[list[tuple[Chunk, I64]], Any, Any]:
+    """The rows each chunk seen by the query (arrived by `as_of`) reads for `region`
+    (`Chunk.rows_in`) within the query's time range, chunks without any left out, and those
+    rows' longitudes and latitudes joined: the caller tests them in one vectorised call (a
+    window holds a chunk or more per bucket, sixty buckets an hour: a call per chunk cost
+    more than the test)."""
+    found = []
+    for chunk in records.chunks:
+        if chunk.first_at > part.as_of:
+            continue  # arrived after the query started: no round of it may see it
+        rows = _in_time(chunk, part, chunk.rows_in(region))
+        if rows.size:
+            found.append((chunk, rows))
+    if not found:
+        return found, np.empty(0), np.empty(0)
+    return (found, np.concatenate([chunk.lon[rows] for chunk, rows in found]),
+            np.concatenate([chunk.lat[rows] for chunk, rows in found]))
 
 
 def _matching(records: TenantRecords | None, part: wire.QueryPart) -> list[Row]:
@@ -302,30 +302,16 @@ def _nearest(records: TenantRecords | None, part: wire.QueryPart, worker: str,
     while True:
         world = radius >= WORLD_M
         last = world or (cap is not None and radius >= cap)
-        region = Region.of(circle_bbox(px, py, min(radius, WORLD_M)))
-        chunks: list[Chunk] = []
-        parts_r, parts_lon, parts_lat = [], [], []
-        for chunk in records.chunks:
-            if chunk.first_at > part.as_of:
-                continue
-            rows = _in_time(chunk, part, chunk.rows_in(region))
-            if rows.size:
-                chunks.append(chunk)
-                parts_r.append(rows)
-                parts_lon.append(chunk.lon[rows])
-                parts_lat.append(chunk.lat[rows])
-        if chunks:
-            # one distance call over every chunk's rows (see `_region_rows`)
-            row = np.concatenate(parts_r)
-            which = np.repeat(np.arange(len(chunks), dtype=np.int64),
-                              [r.size for r in parts_r])
-            dist = haversine_m(px, py, np.concatenate(parts_lon), np.concatenate(parts_lat))
-            if not world:
-                keep = dist <= radius
-                which, row, dist = which[keep], row[keep], dist[keep]
-            taken, more = _take_nearest(records, part, wanted, limit, chunks, which, row, dist)
-        else:
-            taken, more = [], False
+        near, lon, lat = _candidates(records, part,
+                                     Region.of(circle_bbox(px, py, min(radius, WORLD_M))))
+        chunks = [chunk for chunk, _ in near]
+        row = np.concatenate([rows for _, rows in near]) if near else np.empty(0, np.int64)
+        which = np.repeat(np.arange(len(near), dtype=np.int64), [r.size for _, r in near])
+        dist = haversine_m(px, py, lon, lat)
+        if not world:
+            keep = dist <= radius
+            which, row, dist = which[keep], row[keep], dist[keep]
+        taken, more = _take_nearest(records, part, wanted, limit, chunks, which, row, dist)
         if last or more:
             break
         radius = radius * 4 if cap is None else min(radius * 4, cap)

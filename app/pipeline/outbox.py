@@ -279,8 +279,11 @@ class _Relay:
                 node = nodes.get_node_from_slot(g.slot).name
             except Exception:  # slot map being refreshed: a wave of its own
                 node = None
-            joins = (free and last_free) if free or last_free else (
-                node is not None and node == last)
+            # a run of unordered groups joins only its own kind; others join their node's run
+            if free or last_free:
+                joins = free and last_free
+            else:
+                joins = node is not None and node == last
             if out and joins:
                 out[-1].append(g)
             else:
