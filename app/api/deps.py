@@ -81,33 +81,69 @@ def _lookup(state: AppState, key: str) -> Principal | None:
         return key_service.lookup(session, key)
 
 
-async def keys_token(state: AppState) -> bytes | None:
+async def keys_token(state: AppState, counter: str | None = None
+                     ) -> tuple[bytes | None, int | None]:
     """The current revocation token (`names.KEYS_TOKEN`), made if missing (a new or flushed
-    Redis); None when Redis cannot say (the key is then looked up in SQL)."""
+    Redis); None when Redis cannot say (the key is then looked up in SQL). With `counter`,
+    that rate counter (`names.rate_key`) is counted in the same round trip: its count, 0 when
+    Redis is out of memory (not counted, see `_counted`)."""
+    pipe = state.redis.pipeline(transaction=False)
+    pipe.get(names.KEYS_TOKEN)
+    if counter is not None:
+        pipe.incr(counter)
+        pipe.expire(counter, 2)
     try:
-        token = await state.redis.get(names.KEYS_TOKEN)
-        if token is None:
+        results = await pipe.execute(raise_on_error=False)
+    except redis.exceptions.RedisError:  # the connection itself
+        return None, None
+    token = results[0]
+    count = _counted(results[1]) if counter is not None else None
+    if isinstance(token, Exception):
+        return None, count
+    if token is None:
+        try:
             await state.redis.set(names.KEYS_TOKEN, secrets.token_hex(16), nx=True)
-            return None  # this once in SQL: the token another process may have set wins
-    except redis.exceptions.RedisError:
-        return None
-    return token if isinstance(token, bytes) else str(token).encode()
+        except redis.exceptions.RedisError:
+            pass
+        return None, count  # this once in SQL: the token another process may have set wins
+    return (token if isinstance(token, bytes) else str(token).encode()), count
 
 
-async def check_key(state: AppState, key: str) -> Principal | None:
+def _counted(result: Any) -> int:
+    """A rate counter's INCR result as a count. Out of memory it is 0: the limit protects the
+    server, and a full Redis must not also refuse every read."""
+    if isinstance(result, redis.exceptions.ResponseError) and is_redis_oom(result):
+        log.warning("rate limit not counted: Redis is out of memory")
+        return 0
+    if isinstance(result, Exception):
+        raise result
+    return int(result)
+
+
+async def check_key(state: AppState, key: str, window: int | None = None
+                    ) -> tuple[Principal | None, int | None]:
     """The principal of a valid key: from this process's cache while the revocation token
     is unchanged, else from SQL (the token read first: a revocation committed after the
-    lookup changes it, so the entry is not used again)."""
+    lookup changes it, so the entry is not used again). With `window` (a second of the
+    clock), a key found in the cache is also counted against the rate limit in the same
+    round trip as the token: the count, or None if it was not counted."""
     cache = state.keys
-    token = await keys_token(state) if cache is not None else None
-    if cache is not None and token is not None:
+    if cache is None:
+        return await run_in_threadpool(_lookup, state, key), None
+    held = cache.held(key)
+    counter = (names.rate_key(held.key_id, window)
+               if held is not None and window is not None else None)
+    token, count = await keys_token(state, counter)
+    if token is not None:
         principal = cache.get(key, token)
         if principal is not None:
-            return principal
+            return principal, count
     principal = await run_in_threadpool(_lookup, state, key)
-    if principal is not None and cache is not None and token is not None:
+    if principal is not None and token is not None:
         cache.put(key, principal, token)
-    return principal
+    if principal is None or held is None or principal.key_id != held.key_id:
+        count = None  # counted for another key id, or for no valid key
+    return principal, count
 
 
 async def new_keys_token(state: AppState) -> None:
@@ -129,6 +165,13 @@ async def authenticate(state: AppState, key: str | None,
                        ) -> Principal:
     """The principal of `key`. An address with too many failed checks in the current window is
     refused (429) before its key is looked up; only checks that looked a key up count."""
+    principal, _ = await check_key(state, refuse_early(key, failures, address))
+    return _known(principal, failures, address)
+
+
+def refuse_early(key: str | None, failures: AuthFailures | None, address: str) -> str:
+    """`key`, unless it is refused before any lookup: missing, too long, or from an address
+    with too many failed checks."""
     if key is None:
         raise Unauthorized("missing API key: send 'Authorization: Bearer <key>'")
     if len(key) > 256:
@@ -141,7 +184,11 @@ async def authenticate(state: AppState, key: str | None,
                 f"too many failed authentications from this address (over {failures.limit} "
                 f"in {failures.window_s:g} s); retry in {retry} s",
                 headers={"Retry-After": str(retry)})
-    principal = await check_key(state, key)
+    return key
+
+
+def _known(principal: Principal | None, failures: AuthFailures | None, address: str
+           ) -> Principal:
     if principal is None:
         if failures is not None:
             failures.failed(address)
@@ -149,25 +196,21 @@ async def authenticate(state: AppState, key: str | None,
     return principal
 
 
-async def rate_limit(state: AppState, principal: Principal) -> None:
+async def rate_limit(state: AppState, principal: Principal, now: float,
+                     count: int | None = None) -> None:
+    """Refuse (429) the request past `rate_limit_per_s` of its key in the second of `now`;
+    `count`: the key's requests in that second if already counted (`check_key`)."""
     limit = state.settings.rate_limit_per_s
     if limit <= 0:
         return
-    now = time.time()
     window = int(now)
-    counter = names.rate_key(principal.key_id, window)
-    pipe = state.redis.pipeline(transaction=False)
-    pipe.incr(counter)
-    pipe.expire(counter, 2)
-    try:
-        count, _ = await pipe.execute()
-    except redis.exceptions.ResponseError as exc:
-        if not is_redis_oom(exc):
-            raise
-        # The limit protects the server; a full Redis must not also refuse every read.
-        log.warning("rate limit not counted: Redis is out of memory")
-        return
-    if int(count) > limit:
+    if count is None:
+        counter = names.rate_key(principal.key_id, window)
+        pipe = state.redis.pipeline(transaction=False)
+        pipe.incr(counter)
+        pipe.expire(counter, 2)
+        count = _counted((await pipe.execute(raise_on_error=False))[0])
+    if count > limit:
         retry = max(1, int(window + 1 - now + 0.999))
         raise RateLimited(f"rate limit of {limit} requests/s per key exceeded",
                           headers={"Retry-After": str(retry)})
@@ -179,9 +222,15 @@ async def authenticate_request(request: Request, state: AppState) -> Principal:
     principal: Principal | None = getattr(request.state, "principal", None)
     if principal is not None:
         return principal
-    principal = await authenticate(state, bearer_token(request.headers.get("authorization")),
-                                   auth_failures(request.app), client_address(request))
-    await rate_limit(state, principal)
+    key = bearer_token(request.headers.get("authorization"))
+    failures, address = auth_failures(request.app), client_address(request)
+    key = refuse_early(key, failures, address)
+    now = time.time()
+    # A key this process knows is counted in the round trip that reads the revocation token.
+    window = int(now) if state.settings.rate_limit_per_s > 0 else None
+    principal, count = await check_key(state, key, window)
+    principal = _known(principal, failures, address)
+    await rate_limit(state, principal, now, count)
     request.state.principal = principal
     return principal
 

@@ -107,6 +107,11 @@ class KeyCache:
             return None
         return held[0]
 
+    def held(self, key: str) -> Principal | None:
+        """The principal `key` is held with, whatever the token (for its id: not a check)."""
+        held = self._held.get(hash_key(key))
+        return held[0] if held is not None else None
+
     def put(self, key: str, principal: Principal, token: bytes) -> None:
         if len(self._held) >= self.size:
             self._held.clear()

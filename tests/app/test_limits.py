@@ -14,9 +14,11 @@ from typing import Any
 
 import orjson
 import pytest
+import redis
 
 from app.core.config import Settings
 from app.core.redis import EmbeddedRedis, start_embedded_redis
+from app.pipeline import names
 from tests.app.httpapi import JSON, NDJSON, WORLD, Api, check
 from tests.conftest import (
     InProcessServer,
@@ -345,3 +347,32 @@ def test_database_down_is_503_never_500(tmp_path: Path, embedded_redis: Embedded
         assert r.status_code == 400
         # The api still serves (in-process there is no api process that could die).
         assert client.get("/healthz").status_code == 200
+
+
+def test_each_request_is_counted_once_held_or_looked_up(limited: InProcessServer) -> None:
+    """A key this process holds is counted in the round trip that reads the revocation token;
+    after a revocation (a new token) it is looked up in SQL again and still counted once."""
+    with limited.http(limited.admin()) as a:
+        r = a.post("/v1/admin/keys", json={"tenant": "counted"})
+    key, key_id = r.json()["key"], r.json()["id"]
+    client = redis.Redis.from_url(limited.redis_url)
+    with limited.http(auth(key)) as c:
+        checked = 0
+        for attempt in range(5):
+            # a revocation elsewhere: the first request looks the key up again, the next two
+            # find it held
+            client.set(names.KEYS_TOKEN, f"other-{attempt}")
+            window = int(time.time())
+            if time.time() - window > 0.5:  # room for three requests in this second
+                time.sleep(window + 1 - time.time())
+                window += 1
+            counts = []
+            for _ in range(3):
+                assert check(c.get("/v1/subscriptions")).status_code == 200
+                counts.append(int(client.get(names.rate_key(key_id, window)) or 0))
+            if int(time.time()) != window:
+                continue  # the second ended among them
+            assert counts == [1, 2, 3], (attempt, counts)
+            checked += 1
+            time.sleep(window + 1 - time.time())  # a fresh second: under the limit of 5
+        assert checked >= 3
