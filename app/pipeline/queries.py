@@ -24,11 +24,13 @@ than the limit are left below it, the round is repeated with a larger per-worker
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import secrets
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import msgspec
@@ -54,6 +56,10 @@ QUERY_TTL_S = 3600  # how long a finished query's answer can be read
 COUNTS_WAIT_S = 1.0  # how long a count waits for the per-cell counts to catch up
 MAX_ROUNDS = 8  # per-worker limit x4 each round: enough for any limit up to 10 000 x 4^7
 QUERY_STREAM_LEN = 10_000  # parts kept in a worker's query stream (answered ones are trimmed)
+
+# The first wait for an answer rides on the round trip that sends the parts (`_Run.first_wait`);
+# longer waits are made after it. Bounded, as the parts may not have been sent.
+FIRST_WAIT_S = 0.05
 
 PLAN_ATTEMPTS = 5  # a query planned with a plan that changed before it was sent starts again
 
@@ -157,27 +163,35 @@ class QueryService:
 
     # --- the public side -----------------------------------------------------------------
     async def submit(self, tenant: str, query: wire.SnapshotQuery, wait_s: float
-                     ) -> dict[str, Any]:
+                     ) -> tuple[dict[str, Any], Callable[[], Awaitable[None]] | None]:
         """Start a query and wait up to `wait_s` for it. The public body: `{"id", "status":
         "done", "results", "sources", "truncated"}`, `{"id", "status": "running"}` or
-        `{"id", "status": "failed", "error"}`."""
+        `{"id", "status": "failed", "error"}`; with an outcome given now, how to keep it for
+        `GET /v1/queries/{id}`, to run once the answer is sent (off the answer's path: a
+        Redis round trip and an encoding of every result)."""
         query_id = "q" + secrets.token_hex(10)
         started = time.time()
-        result: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
-        task = asyncio.create_task(self._run(query_id, tenant, query, started, result),
+        outcome = _Outcome(asyncio.get_running_loop().create_future())
+        task = asyncio.create_task(self._run(query_id, tenant, query, started, outcome),
                                    name=f"query-{query_id}")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         try:
-            return await asyncio.wait_for(asyncio.shield(result), timeout=wait_s)
+            body = await asyncio.wait_for(asyncio.shield(outcome.body), timeout=wait_s)
         except TimeoutError:
-            # Only now can anyone ask for it: its state is stored before the id is given out
-            # (unless its outcome was stored meanwhile).
-            await self.redis.set(names.query_key(query_id), orjson.dumps(
-                {"tenant": tenant, "status": "running", "started": started,
-                 "deadline": started + self.settings.query_timeout_s}),
-                ex=QUERY_TTL_S, nx=True)
-            return {"id": query_id, "status": "running"}
+            if outcome.body.done():  # done as the wait ended
+                body = outcome.body.result()
+            else:
+                # From now on `_run` stores the outcome. Only now can anyone ask for it: its
+                # state is stored before the id is given out (unless the outcome was stored
+                # meanwhile).
+                outcome.polled = True
+                await self.redis.set(names.query_key(query_id), orjson.dumps(
+                    {"tenant": tenant, "status": "running", "started": started,
+                     "deadline": started + self.settings.query_timeout_s}),
+                    ex=QUERY_TTL_S, nx=True)
+                return {"id": query_id, "status": "running"}, None
+        return body, functools.partial(self._store, query_id, tenant, started, body)
 
     async def status(self, tenant: str, query_id: str) -> dict[str, Any] | None:
         """The public body of a query of this tenant, or None (unknown, or another tenant's)."""
@@ -200,11 +214,19 @@ class QueryService:
         for task in list(self._tasks):
             task.cancel()
 
-    async def _store(self, query_id: str, doc: dict[str, Any]) -> None:
-        await self.redis.set(names.query_key(query_id), orjson.dumps(doc), ex=QUERY_TTL_S)
+    async def _store(self, query_id: str, tenant: str, started: float, body: dict[str, Any]
+                     ) -> None:
+        """Keep a query's outcome for `GET /v1/queries/{id}` (QUERY_TTL_S)."""
+        doc = {"tenant": tenant, "started": started,
+               "deadline": started + self.settings.query_timeout_s,
+               **{k: v for k, v in body.items() if k != "id"}}
+        try:
+            await self.redis.set(names.query_key(query_id), orjson.dumps(doc), ex=QUERY_TTL_S)
+        except Exception as exc:
+            log.warning("could not store the outcome of query %s: %s", query_id, exc)
 
     async def _run(self, query_id: str, tenant: str, query: wire.SnapshotQuery,
-                   started: float, result: asyncio.Future[dict[str, Any]]) -> None:
+                   started: float, outcome: _Outcome) -> None:
         try:
             body = {"id": query_id, "status": "done", **await self.execute(tenant, query)}
         except QueryFailed as exc:
@@ -213,14 +235,10 @@ class QueryService:
             log.exception("snapshot query %s failed", query_id)
             body = {"id": query_id, "status": "failed",
                     "error": f"the query could not run: {type(exc).__name__}: {exc}"}
-        if not result.done():
-            result.set_result(body)
-        try:
-            await self._store(query_id, {"tenant": tenant, "started": started,
-                                         "deadline": started + self.settings.query_timeout_s,
-                                         **{k: v for k, v in body.items() if k != "id"}})
-        except Exception as exc:
-            log.warning("could not store the outcome of query %s: %s", query_id, exc)
+        if not outcome.body.done():
+            outcome.body.set_result(body)
+        if outcome.polled:  # else `submit` gave the outcome, and how to keep it
+            await self._store(query_id, tenant, started, body)
 
     # --- evaluation ----------------------------------------------------------------------
     async def execute(self, tenant: str, query: wire.SnapshotQuery) -> dict[str, Any]:
@@ -382,6 +400,7 @@ class QueryService:
         for w in targets:
             pipe.get(names.adopter_key(w))
         reading = self.counts.read(pipe, targets, tenant, buckets)
+        sending = border.first_wait(pipe, sending)
         got = await pipe.execute()
         if any(a is not None for a in got[adopters:adopters + len(targets)]):
             # (the parts sent are answered to a list nobody reads, which expires)
@@ -454,6 +473,15 @@ def whole_cells(grid: Grid, bbox: tuple[float, float, float, float]
     return x0, y0, x1, y1
 
 
+@dataclass
+class _Outcome:
+    """A query's outcome for `submit`, and whether its id was given out to be polled before
+    the outcome was there (`_run` then stores it)."""
+
+    body: asyncio.Future[dict[str, Any]]
+    polled: bool = False
+
+
 class _Sending(NamedTuple):
     """Parts queued on a pipeline: their reply token, workers, and first reply's position;
     whether the archive's part is among them."""
@@ -462,6 +490,7 @@ class _Sending(NamedTuple):
     workers: list[str]
     first: int
     archive: bool = False
+    waited: int | None = None  # the position of the first wait for an answer (`first_wait`)
 
 
 class _Run:
@@ -485,7 +514,7 @@ class _Run:
                     latest_of: list[str] | None = None) -> list[wire.QueryReply]:
         """Send one part to each worker and wait for every answer."""
         pipe = self.service.redis.pipeline(transaction=False)
-        sending = self.send(pipe, workers, limit, latest_of)
+        sending = self.first_wait(pipe, self.send(pipe, workers, limit, latest_of))
         return await self.gather(sending, await pipe.execute())
 
     def send(self, pipe: Any, workers: Iterable[str], limit: int,
@@ -511,6 +540,17 @@ class _Run:
             pipe.xadd(names.ARCHIVE_JOBS, {b"m": part}, maxlen=ARCHIVE_JOBS_LEN,
                       approximate=True)
         return _Sending(token, order, first, self.cut is not None)
+
+    def first_wait(self, pipe: Any, sending: _Sending) -> _Sending:
+        """Queue the first wait for an answer as the last command of `pipe` (a blocking pop
+        blocks the commands after it), so that sending the parts and waiting for the first
+        answer are one round trip. It waits FIRST_WAIT_S at most: the parts may not have
+        been sent (a newer plan, see `gather`). Not on a Redis Cluster, whose pipelines are
+        split by node."""
+        if self.service.router.outbox is not None:
+            return sending
+        pipe.blpop([names.query_reply_key(sending.token)], timeout=FIRST_WAIT_S)
+        return sending._replace(waited=len(pipe) - 1)
 
     async def _plan_changed(self) -> bool:
         """Whether the newest plan of the plan history is not the one the query was planned
@@ -538,19 +578,21 @@ class _Run:
         key = names.query_reply_key(token)
         replies: list[wire.QueryReply] = []
         answered = False
+        got = results[sending.waited] if sending.waited is not None else None
         try:
             while waiting:
-                left = self.deadline - time.time()
-                if left <= 0:
-                    raise QueryFailed(
-                        f"worker{'s' if len(waiting) > 1 else ''} {', '.join(sorted(waiting))} "
-                        f"did not answer within {svc.settings.query_timeout_s:g} s "
-                        "(query_timeout_s)")
-                got = await redis.blpop([key], timeout=min(1.0, left))
                 if got is None:
-                    await self._check_alive(waiting, straight)
-                    continue
-                raw = got[1]
+                    left = self.deadline - time.time()
+                    if left <= 0:
+                        raise QueryFailed(
+                            f"worker{'s' if len(waiting) > 1 else ''} "
+                            f"{', '.join(sorted(waiting))} did not answer within "
+                            f"{svc.settings.query_timeout_s:g} s (query_timeout_s)")
+                    got = await redis.blpop([key], timeout=min(1.0, left))
+                    if got is None:
+                        await self._check_alive(waiting, straight)
+                        continue
+                raw, got = got[1], None
                 reply = wire.decode_query_reply(raw if isinstance(raw, bytes) else raw.encode())
                 if reply.worker not in waiting:
                     continue  # a replayed answer

@@ -240,6 +240,24 @@ def test_a_slow_answer_is_polled_by_id(cluster: LiveServer) -> None:
         assert client.get(f"/v1/queries/{qid}", headers=auth(stranger)).status_code == 404
 
 
+def test_an_answer_given_at_once_is_kept_for_its_id(cluster: LiveServer) -> None:
+    """A query answered within `wait_s` is stored once its answer is sent: `GET
+    /v1/queries/{id}` gives the same body."""
+    key = cluster.new_key()
+    data, clock = Records(), [t0()]
+    with httpx.Client(base_url=cluster.base_url, timeout=60) as client:
+        publish(client, key, data, random_objects(random.Random(4), 100, clock))
+        for q in ({"type": "range", "bbox": [-2, -1, 2, 1], "limit": 10_000},
+                  {"type": "count", "bbox": [-2, -1, 2, 1]}):
+            r = query(client, key, q)
+            assert r.status_code == 200, r.text
+            body = r.json()
+            assert body["status"] == "done" and shaped(q, body["results"]) == data.answer(q)
+            got = client.get(f"/v1/queries/{body['id']}", headers=auth(key))
+            assert got.status_code == 200, got.text
+            assert got.json() == body
+
+
 def test_a_query_waits_for_the_backlog_accepted_before_it(cluster: LiveServer) -> None:
     """A query part goes straight to each worker with the tail of its stream: a worker that
     is far behind (stopped while hundreds of entries were accepted, more than one read of its

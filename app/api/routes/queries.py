@@ -8,6 +8,7 @@ from typing import Annotated, Any
 import orjson
 from fastapi import APIRouter, Body, Response
 from fastapi.exceptions import RequestValidationError
+from starlette.background import BackgroundTask
 
 from app.api.deps import StateDep, StrictJSONRoute, TenantDep
 from app.api.openapi import BODY, TENANT, errors
@@ -54,10 +55,13 @@ async def submit_query(body: Annotated[QueryIn, Body()], state: StateDep,
     check_time_range(body)
     await require_plan(state)
     queries = query_service(state)
-    out = await queries.submit(principal.tenant, snapshot_query(body), body.wait_s)
+    out, keep = await queries.submit(principal.tenant, snapshot_query(body), body.wait_s)
     if out["status"] == "failed":
         raise Unavailable(out["error"], headers={"Retry-After": "1"})
-    return json_response(out, 202 if out["status"] == "running" else 200)
+    response = json_response(out, 202 if out["status"] == "running" else 200)
+    if keep is not None:  # kept for GET /v1/queries/{id} once the answer is sent
+        response.background = BackgroundTask(keep)
+    return response
 
 
 @router.get("/{query_id}", response_model=None, responses={
