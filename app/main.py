@@ -30,6 +30,7 @@ from app.core.collector import collector_loop
 from app.core.config import Settings, get_settings
 from app.core.db import make_engine, make_sessionmaker
 from app.core.errors import ApiError, integrity_problem, is_redis_oom
+from app.core.pipelines import pipelines_for
 from app.core.redis import async_client
 from app.core.security import AuthFailures, KeyCache, install_log_redaction
 from app.core.state import AppState
@@ -307,9 +308,10 @@ def create_app(settings: Settings | None = None, redis_url: str | None = None,
         engine = make_engine(settings)
         client = async_client(url)
         state = AppState(settings=settings, engine=engine, sessions=make_sessionmaker(engine),
-                         redis=client, redis_url=url, keys=KeyCache(settings.key_recheck_s))
+                         redis=client, redis_url=url, keys=KeyCache(settings.key_recheck_s),
+                         pipelines=pipelines_for(url, client))
         state.router = Router(settings, client)
-        state.queries = QueryService(settings, client, state.router)
+        state.queries = QueryService(settings, client, state.router, state.pipelines)
         state.hub = Hub(state)
         app.state.gs = state
         await state.router.refresh()
@@ -333,6 +335,7 @@ def create_app(settings: Settings | None = None, redis_url: str | None = None,
                     await asyncio.wait_for(task, 5)
             await state.queries.stop()
             await state.hub.stop()
+            await state.pipelines.aclose()
             try:
                 await asyncio.wait_for(client.aclose(), 5)
             except TimeoutError:

@@ -87,13 +87,11 @@ async def keys_token(state: AppState, counter: str | None = None
     Redis); None when Redis cannot say (the key is then looked up in SQL). With `counter`,
     that rate counter (`names.rate_key`) is counted in the same round trip: its count, 0 when
     Redis is out of memory (not counted, see `_counted`)."""
-    pipe = state.redis.pipeline(transaction=False)
-    pipe.get(names.KEYS_TOKEN)
+    commands: list[tuple[Any, ...]] = [("GET", names.KEYS_TOKEN)]
     if counter is not None:
-        pipe.incr(counter)
-        pipe.expire(counter, 2)
+        commands += [("INCR", counter), ("EXPIRE", counter, 2)]
     try:
-        results = await pipe.execute(raise_on_error=False)
+        results = await state.pipelines.execute(commands, raise_on_error=False)
     except redis.exceptions.RedisError:  # the connection itself
         return None, None
     token = results[0]

@@ -12,6 +12,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from app.core.config import Settings
 from app.core.errors import Unavailable
+from app.core.pipelines import Pipelines
 from app.core.security import KeyCache
 
 if TYPE_CHECKING:
@@ -27,6 +28,7 @@ class AppState:
     sessions: sessionmaker[Session]
     redis: aioredis.Redis
     redis_url: str
+    pipelines: Pipelines  # the per-request hot path's Redis calls (`app.core.pipelines`)
     router: Router | None = None
     hub: Hub | None = None
     queries: QueryService | None = None

@@ -40,6 +40,7 @@ import redis.asyncio as aioredis
 from app.archive.layout import decode_cut
 from app.core.config import Settings
 from app.core.metrics import COUNT_QUERIES
+from app.core.pipelines import Batch, ClientPipelines, Pipelines
 from app.core.redis import run_script
 from app.geo.grid import Grid
 from app.geo.index import GlobalIndex
@@ -153,9 +154,12 @@ class QueryService:
     """Runs snapshot queries for one api process; their state lives in Redis, so that any api
     process answers `GET /v1/queries/{id}`."""
 
-    def __init__(self, settings: Settings, redis: aioredis.Redis, router: Router) -> None:
+    def __init__(self, settings: Settings, redis: aioredis.Redis, router: Router,
+                 pipelines: Pipelines | None = None) -> None:
         self.settings = settings
         self.redis = redis
+        # a query's rounds (parts sent, answers awaited): `redis`'s pipelines unless given
+        self.pipelines = pipelines if pipelines is not None else ClientPipelines(redis)
         self.router = router
         self.counts = CellCounts(redis)
         self.send_part = redis.register_script(SEND_PART_SCRIPT)
@@ -392,16 +396,16 @@ class QueryService:
         # the buckets of the window (a little past now: another api process's clock)
         buckets = range(int((run.as_of - self.settings.window_s) // self.settings.bucket_s),
                         int(run.as_of // self.settings.bucket_s) + 3)
-        pipe = self.redis.pipeline(transaction=False)
+        pipe = Batch()
         border = _Run(self, tenant, msgspec.structs.replace(query, skip_cells=cells),
                       run.as_of, run.deadline, [], run.version)
         sending = border.send(pipe, targets, 0)
         adopters = len(pipe)
         for w in targets:
-            pipe.get(names.adopter_key(w))
+            pipe.execute_command("GET", names.adopter_key(w))
         reading = self.counts.read(pipe, targets, tenant, buckets)
         sending = border.first_wait(pipe, sending)
-        got = await pipe.execute()
+        got = await self.pipelines.execute(pipe.command_stack, block_s=FIRST_WAIT_S)
         if any(a is not None for a in got[adopters:adopters + len(targets)]):
             # (the parts sent are answered to a list nobody reads, which expires)
             log.info("a failed-over worker among %s: the workers count", targets)
@@ -513,11 +517,12 @@ class _Run:
     async def round(self, workers: Iterable[str], limit: int,
                     latest_of: list[str] | None = None) -> list[wire.QueryReply]:
         """Send one part to each worker and wait for every answer."""
-        pipe = self.service.redis.pipeline(transaction=False)
+        pipe = Batch()
         sending = self.first_wait(pipe, self.send(pipe, workers, limit, latest_of))
-        return await self.gather(sending, await pipe.execute())
+        return await self.gather(sending, await self.service.pipelines.execute(
+            pipe.command_stack, block_s=FIRST_WAIT_S))
 
-    def send(self, pipe: Any, workers: Iterable[str], limit: int,
+    def send(self, pipe: Batch, workers: Iterable[str], limit: int,
              latest_of: list[str] | None = None) -> _Sending:
         """Queue one part to each worker on `pipe` (whose replies `gather` then takes)."""
         token = secrets.token_hex(12)
@@ -537,11 +542,11 @@ class _Run:
                        [*keys, names.PLAN_HISTORY] if checked else keys,
                        [part, QUERY_STREAM_LEN, self.version if checked else ""])
         if self.cut is not None:
-            pipe.xadd(names.ARCHIVE_JOBS, {b"m": part}, maxlen=ARCHIVE_JOBS_LEN,
-                      approximate=True)
+            pipe.execute_command("XADD", names.ARCHIVE_JOBS, "MAXLEN", "~", ARCHIVE_JOBS_LEN,
+                                 "*", "m", part)
         return _Sending(token, order, first, self.cut is not None)
 
-    def first_wait(self, pipe: Any, sending: _Sending) -> _Sending:
+    def first_wait(self, pipe: Batch, sending: _Sending) -> _Sending:
         """Queue the first wait for an answer as the last command of `pipe` (a blocking pop
         blocks the commands after it), so that sending the parts and waiting for the first
         answer are one round trip. It waits FIRST_WAIT_S at most: the parts may not have
@@ -549,7 +554,7 @@ class _Run:
         split by node."""
         if self.service.router.outbox is not None:
             return sending
-        pipe.blpop([names.query_reply_key(sending.token)], timeout=FIRST_WAIT_S)
+        pipe.execute_command("BLPOP", names.query_reply_key(sending.token), FIRST_WAIT_S)
         return sending._replace(waited=len(pipe) - 1)
 
     async def _plan_changed(self) -> bool:
@@ -588,7 +593,8 @@ class _Run:
                             f"worker{'s' if len(waiting) > 1 else ''} "
                             f"{', '.join(sorted(waiting))} did not answer within "
                             f"{svc.settings.query_timeout_s:g} s (query_timeout_s)")
-                    got = await redis.blpop([key], timeout=min(1.0, left))
+                    wait = min(1.0, left)
+                    got = (await svc.pipelines.execute([("BLPOP", key, wait)], block_s=wait))[0]
                     if got is None:
                         await self._check_alive(waiting, straight)
                         continue

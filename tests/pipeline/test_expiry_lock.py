@@ -17,6 +17,7 @@ from sqlalchemy.orm import Session
 from app.core.config import Settings
 from app.core.db import make_engine, make_sessionmaker
 from app.core.migrate import upgrade_head
+from app.core.pipelines import ClientPipelines
 from app.core.redis import async_client
 from app.core.state import AppState
 from app.models import Subscription
@@ -87,7 +88,8 @@ def test_a_round_that_outlives_its_lock_leaves_the_next_holders_lock(
     async def run() -> tuple[int, int, object]:
         client = async_client(redis_db)
         state = AppState(settings=settings, engine=engine, sessions=make_sessionmaker(engine),
-                         redis=client, redis_url=redis_db)
+                         redis=client, redis_url=redis_db,
+                         pipelines=ClientPipelines(client))
         try:
             first = await expiry.expire_once(state)  # a round within its lock releases it
             assert await client.exists(names.EXPIRY_LOCK) == 0
