@@ -190,10 +190,10 @@ class QueryService:
                 # state is stored before the id is given out (unless the outcome was stored
                 # meanwhile).
                 outcome.polled = True
-                await self.redis.set(names.query_key(query_id), orjson.dumps(
+                await self.pipelines.execute([("SET", names.query_key(query_id), orjson.dumps(
                     {"tenant": tenant, "status": "running", "started": started,
                      "deadline": started + self.settings.query_timeout_s}),
-                    ex=QUERY_TTL_S, nx=True)
+                    "EX", QUERY_TTL_S, "NX")])
                 return {"id": query_id, "status": "running"}, None
         return body, functools.partial(self._store, query_id, tenant, started, body)
 
@@ -201,7 +201,7 @@ class QueryService:
         """The public body of a query of this tenant, or None (unknown, or another tenant's)."""
         if not query_id.isascii() or len(query_id) > 64:
             return None
-        raw = await self.redis.get(names.query_key(query_id))
+        [raw] = await self.pipelines.execute([("GET", names.query_key(query_id))])
         if raw is None:
             return None
         doc = orjson.loads(raw)
@@ -225,7 +225,8 @@ class QueryService:
                "deadline": started + self.settings.query_timeout_s,
                **{k: v for k, v in body.items() if k != "id"}}
         try:
-            await self.redis.set(names.query_key(query_id), orjson.dumps(doc), ex=QUERY_TTL_S)
+            await self.pipelines.execute(
+                [("SET", names.query_key(query_id), orjson.dumps(doc), "EX", QUERY_TTL_S)])
         except Exception as exc:
             log.warning("could not store the outcome of query %s: %s", query_id, exc)
 
@@ -403,8 +404,10 @@ class QueryService:
         adopters = len(pipe)
         for w in targets:
             pipe.execute_command("GET", names.adopter_key(w))
-        reading = self.counts.read(pipe, targets, tenant, buckets)
+        # (read once the first worker answered, having written its counts: they are then
+        # caught up without a read more, for one worker at least)
         sending = border.first_wait(pipe, sending)
+        reading = self.counts.read(pipe, targets, tenant, buckets)
         got = await self.pipelines.execute(pipe.command_stack, block_s=FIRST_WAIT_S)
         if any(a is not None for a in got[adopters:adopters + len(targets)]):
             # (the parts sent are answered to a list nobody reads, which expires)
@@ -439,9 +442,10 @@ class QueryService:
                 return None
             await asyncio.sleep(pause)
             pause = 0.002
-            pipe = self.redis.pipeline(transaction=False)
+            pipe = Batch()
             reading = self.counts.read(pipe, targets, tenant, buckets)
-            held = self.counts.absorb(reading, await pipe.execute(), grid)
+            held = self.counts.absorb(reading, await self.pipelines.execute(pipe.command_stack),
+                                      grid)
         return sum(h.count(cells, buckets.start) for h in held)
 
     async def targets(self, index: GlobalIndex, query: wire.SnapshotQuery, now: float
