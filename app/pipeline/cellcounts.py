@@ -97,13 +97,17 @@ def read_totals(pipe: Any, script: Any, workers: list[str], tenant: str, buckets
 
 @dataclass(frozen=True)
 class BucketCounts:
-    """One bucket's counts of one tenant on one worker: cells (x, y) and their records."""
+    """One bucket's counts of one tenant on one worker: cells (x, y) and their records, in the
+    order of their cell ids (row after row: `cy` never decreases)."""
 
     version: bytes
     bucket: int
     cx: Any
     cy: Any
     counts: Any
+
+
+RUN = 1 << 32  # a bucket's run in `HeldCounts.joined` keys (beyond any row of any grid)
 
 
 @dataclass
@@ -113,27 +117,37 @@ class HeldCounts:
 
     mark: bytes | None
     fields: dict[str, BucketCounts]
-    # every field's (bucket, cx, cy, counts) joined, made on first use (`count`)
+    # every field's cells joined, made on first use (`count`): the buckets of the runs, the
+    # runs' keys (run * RUN + cy: ascending, as each run's rows are), cx and counts
     joined: tuple[Any, Any, Any, Any] | None = None
 
     def count(self, cells: tuple[int, int, int, int], horizon: int) -> int:
-        """The records in the cells (x0, y0, x1, y1) of the buckets from `horizon` on: one
-        vectorised test over every bucket's cells (sixty buckets in an hour's window)."""
+        """The records in the cells (x0, y0, x1, y1) of the buckets from `horizon` on. Each
+        bucket is a run of cells in row order: one search over the joined runs finds the
+        rows y0..y1 of every bucket at once, and only those cells are tested (a box of a
+        few degrees of latitude reads a few per cent of the cells)."""
         if self.joined is None:
             held = [h for h in self.fields.values() if h.counts.size]
-
-            def joined(name: str) -> Any:
-                if not held:
-                    return np.empty(0, dtype=np.int64)
-                return np.concatenate([getattr(h, name) for h in held])
-
-            self.joined = (np.repeat(np.array([h.bucket for h in held], dtype=np.int64),
-                                     [h.counts.size for h in held]),
-                           joined("cx"), joined("cy"), joined("counts"))
-        bucket, cx, cy, counts = self.joined
+            if not held:
+                return 0
+            self.joined = (np.array([h.bucket for h in held], dtype=np.int64),
+                           np.concatenate([h.cy.astype(np.int64) + i * RUN
+                                           for i, h in enumerate(held)]),
+                           np.concatenate([h.cx for h in held]),
+                           np.concatenate([h.counts for h in held]))
+        buckets, keys, cx, counts = self.joined
         x0, y0, x1, y1 = cells
-        inside = ((bucket >= horizon) & (cx >= x0) & (cx <= x1) & (cy >= y0) & (cy <= y1))
-        return int(counts[inside].sum())
+        runs = np.flatnonzero(buckets >= horizon) * RUN
+        lo = np.searchsorted(keys, runs + y0, side="left")
+        hi = np.searchsorted(keys, runs + y1, side="right")
+        lens = hi - lo
+        total = int(lens.sum())
+        if not total:
+            return 0
+        # the positions lo[i] .. hi[i] - 1 of every run, in one array
+        at = np.arange(total) + np.repeat(lo - np.cumsum(lens) + lens, lens)
+        x = cx[at]
+        return int(counts[at][(x >= x0) & (x <= x1)].sum())
 
 
 @dataclass(frozen=True)
@@ -195,9 +209,13 @@ class CellCounts:
                 continue
             for bucket, ids, counts in wire.decode_cell_counts(raw).buckets:
                 cid = np.frombuffer(ids, dtype="<i8")
+                n = np.frombuffer(counts, dtype="<i8")
+                if cid.size > 1 and not (cid[1:] >= cid[:-1]).all():
+                    # written unsorted (a worker of an earlier version): sorted once here
+                    order = np.argsort(cid, kind="stable")
+                    cid, n = cid[order], n[order]
                 kept[field] = BucketCounts(version=_bytes(version), bucket=bucket,
-                                           cx=cid % grid.nx, cy=cid // grid.nx,
-                                           counts=np.frombuffer(counts, dtype="<i8"))
+                                           cx=cid % grid.nx, cy=cid // grid.nx, counts=n)
         return self._keep(worker, tenant, HeldCounts(mark=mark, fields=kept))
 
     def _keep(self, worker: str, tenant: str, now: HeldCounts) -> HeldCounts:
