@@ -310,7 +310,7 @@ def create_app(settings: Settings | None = None, redis_url: str | None = None,
         state = AppState(settings=settings, engine=engine, sessions=make_sessionmaker(engine),
                          redis=client, redis_url=url, keys=KeyCache(settings.key_recheck_s),
                          pipelines=pipelines_for(url, client))
-        state.router = Router(settings, client)
+        state.router = Router(settings, client, state.pipelines)
         state.queries = QueryService(settings, client, state.router, state.pipelines)
         state.hub = Hub(state)
         app.state.gs = state

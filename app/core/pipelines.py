@@ -12,6 +12,8 @@ URLs the raw connections do not serve (a Redis Cluster, TLS, a Unix socket)."""
 from __future__ import annotations
 
 import asyncio
+import functools
+import hashlib
 import random
 from collections.abc import Sequence
 from typing import Any, Protocol
@@ -56,6 +58,26 @@ class Batch:
 
     def eval(self, script: str, numkeys: int, *keys_and_args: Any) -> None:
         self.execute_command("EVAL", script, numkeys, *keys_and_args)
+
+
+@functools.cache
+def script_sha(text: str) -> str:
+    return hashlib.sha1(text.encode()).hexdigest()
+
+
+async def eval_script(pipelines: Pipelines, text: str, keys: Sequence[Any],
+                     args: Sequence[Any]) -> Any:
+    """A Lua script's reply: EVALSHA, and EVAL with its text if Redis does not have it (a new
+    or restarted Redis), which caches it again."""
+    [reply] = await pipelines.execute(
+        [("EVALSHA", script_sha(text), len(keys), *keys, *args)], raise_on_error=False)
+    if isinstance(reply, redis.exceptions.NoScriptError) or (
+            isinstance(reply, redis.exceptions.ResponseError)
+            and str(reply).startswith("NOSCRIPT")):
+        [reply] = await pipelines.execute([("EVAL", text, len(keys), *keys, *args)])
+    elif isinstance(reply, Exception):
+        raise reply
+    return reply
 
 
 def raise_first(replies: list[Any]) -> list[Any]:

@@ -20,6 +20,7 @@ from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 
 from app.core.config import Settings
 from app.core.metrics import ROUTED_ROWS
+from app.core.pipelines import ClientPipelines, Pipelines, eval_script
 from app.geo.grid import Grid
 from app.geo.history import history_plan, sample_cells
 from app.geo.index import GlobalIndex, IntArray, Plan, initial_plan
@@ -241,11 +242,13 @@ def replicated_targets(tenant: str, ids: list[str], moving: list[bool], n_worker
 
 
 class Router:
-    def __init__(self, settings: Settings, redis: aioredis.Redis) -> None:
+    def __init__(self, settings: Settings, redis: aioredis.Redis,
+                 pipelines: Pipelines | None = None) -> None:
         self.settings = settings
         self.redis = redis
+        # a publish's reads and writes (its hot path): `redis`'s pipelines unless given
+        self.pipelines = pipelines if pipelines is not None else ClientPipelines(redis)
         self.index: GlobalIndex | None = None
-        self._publish = redis.register_script(PUBLISH_SCRIPT)
         # Writes to other hash slots go through the tenants' outboxes (a Redis Cluster).
         clustered = isinstance(redis, AsyncRedisCluster)
         self.outbox = AsyncRelayer(redis) if settings.redis_outbox or clustered else None
@@ -318,7 +321,7 @@ class Router:
             index = await self.current_index()
             stored: dict[str, bytes | None] = {}
             if moving_ids:
-                raw = await self.redis.hmget(pos_key, moving_ids)
+                [raw] = await self.pipelines.execute([("HMGET", pos_key, *moving_ids)])
                 stored = {oid: v if v is None or isinstance(v, bytes) else v.encode()
                           for oid, v in zip(moving_ids, raw, strict=True)}
             prev, late, checks = last_writer_wins(batch, moving_rows, stored)
@@ -344,7 +347,7 @@ class Router:
                                        for s, e in zip(streams, entries, strict=True)))
                 await self._outbox_tenant(batch.tenant, bool(checks))
             try:
-                done = await self._publish(keys=keys, args=args)
+                done = await eval_script(self.pipelines, PUBLISH_SCRIPT, keys, args)
             except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
                 # The call may have been applied before Redis went away: its guard key tells,
                 # once Redis answers again, so that a 503 always means "nothing was written".

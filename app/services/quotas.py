@@ -19,6 +19,7 @@ from sqlalchemy.orm import Session
 
 from app.core.errors import RateLimited, is_redis_oom
 from app.core.metrics import QUOTA_REFUSED
+from app.core.pipelines import eval_script
 from app.core.state import AppState
 from app.models import Subscription, Tenant
 from app.pipeline import names
@@ -201,8 +202,8 @@ async def charge_publish(state: AppState, tenant: str, n_objects: int) -> None:
     if limit <= 0 or n_objects <= 0:
         return
     try:
-        wait_ms = int(await state.redis.register_script(_CHARGE)(
-            keys=[names.publish_bucket_key(tenant)], args=[n_objects, limit]))
+        wait_ms = int(await eval_script(state.pipelines, _CHARGE,
+                                        [names.publish_bucket_key(tenant)], [n_objects, limit]))
     except redis.exceptions.ResponseError as exc:
         if not is_redis_oom(exc):
             raise

@@ -17,7 +17,14 @@ import redis.asyncio as aioredis
 import uvloop
 
 from app.core.config import Settings
-from app.core.pipelines import Batch, ClientPipelines, RawPipelines, pack, pipelines_for
+from app.core.pipelines import (
+    Batch,
+    ClientPipelines,
+    RawPipelines,
+    eval_script,
+    pack,
+    pipelines_for,
+)
 from app.core.redis import EmbeddedRedis, run_script, start_embedded_redis
 
 SCRIPT = "redis.call('SET', KEYS[1], ARGV[1]); return tonumber(ARGV[2]) * 2"
@@ -190,3 +197,31 @@ def test_password_and_database(own_redis: EmbeddedRedis) -> None:
     five = redis.Redis.from_url(f"redis://:s3cret@127.0.0.1:{port}/5")
     zero = redis.Redis.from_url(f"redis://:s3cret@127.0.0.1:{port}/0")
     assert five.get("k") == b"in five" and zero.get("k") is None
+
+
+def test_a_script_redis_lost_is_sent_again_with_its_text(redis_url: str) -> None:
+    """`eval_script` runs a script by its hash, and by its text once Redis lost it (a
+    restart, SCRIPT FLUSH); an error the script raises is raised, both ways."""
+    text = "return redis.call('INCRBY', KEYS[1], ARGV[1])"
+    failing = "return redis.error_reply('ERR told to fail')"
+
+    async def scenario() -> list[Any]:
+        client = aioredis.Redis.from_url(redis_url)
+        raw = RawPipelines.from_url(redis_url)
+        assert raw is not None
+        got = []
+        try:
+            for pipelines in (raw, ClientPipelines(client)):
+                await client.script_flush()
+                got.append(await eval_script(pipelines, text, ["gs:test:script"], [2]))
+                got.append(await eval_script(pipelines, text, ["gs:test:script"], [3]))
+                for _ in range(2):  # by its text, then by its hash
+                    with pytest.raises(redis.exceptions.ResponseError, match="told to fail"):
+                        await eval_script(pipelines, failing, [], [])
+            return got
+        finally:
+            await raw.aclose()
+            await client.delete("gs:test:script")
+            await client.aclose()
+
+    assert run(scenario()) == [2, 5, 7, 10]
