@@ -11,7 +11,9 @@ published points. The timed requests go through a plain keep-alive HTTP/1.1 conn
 
 A third side: the same GEOSEARCH calls behind HTTP (`bench.geosearch_http`: the smallest web
 service in front of Redis, Starlette on uvicorn as geoswarm's api runs), what a user comparing
-HTTP APIs would compare against."""
+HTTP APIs would compare against. Beside them: an authenticated request that reads one key
+(`http_floor`) and a publish of one moving object (`publish_one`, a vehicle's position update,
+in open ocean away from every query)."""
 
 from __future__ import annotations
 
@@ -200,7 +202,8 @@ def run(records: int = 1_000_000, queries: int = 200, workers: int = 2, batch: i
             out["count_all"] = r["results"][0]["count"]
             times: dict[str, list[float]] = {n: [] for n in (
                 "range", "geosearch_box", "geosearch_box_http", "range_keywords", "knn",
-                "geosearch_knn", "geosearch_knn_http", "count_large_box", "http_floor")}
+                "geosearch_knn", "geosearch_knn_http", "count_large_box", "http_floor",
+                "publish_one")}
             # answers are checked after the timed loop: the brute force over every point
             # would leave the machine's caches cold for the next query
             checks: list[tuple[str, list[float], Any]] = []
@@ -257,6 +260,14 @@ def run(records: int = 1_000_000, queries: int = 200, workers: int = 2, batch: i
                 t = time.perf_counter()
                 client.request("GET", "/v1/queries/q0")
                 times["http_floor"].append((time.perf_counter() - t) * 1000)
+                # a vehicle's position update: one moving object per request (in open ocean,
+                # away from every query, like the background publisher's)
+                bx = rng.uniform(BACKGROUND_BOX[0], BACKGROUND_BOX[2])
+                by = rng.uniform(BACKGROUND_BOX[1], BACKGROUND_BOX[3])
+                t = time.perf_counter()
+                client.request("POST", "/v1/objects", {"objects": [
+                    {"id": f"buoy-{len(times['publish_one']) % 100}", "lon": bx, "lat": by}]})
+                times["publish_one"].append((time.perf_counter() - t) * 1000)
             if background is not None:
                 background.stopping.set()
                 background.join()

@@ -22,7 +22,8 @@ def test_tiny_run_is_exact_and_reports_both_systems() -> None:
     assert table["answers_differing_from_brute_force"] == "0"
     assert int(table["buckets"]) >= 1 and int(table["background_records"]) >= 50
     for name in ("range", "geosearch_box", "geosearch_box_http", "range_keywords", "knn",
-                 "geosearch_knn", "geosearch_knn_http", "count_large_box"):
+                 "geosearch_knn", "geosearch_knn_http", "count_large_box", "http_floor",
+                 "publish_one"):
         assert "p99_ms" in table[name]
 
 
