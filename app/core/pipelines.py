@@ -30,6 +30,7 @@ CONNECT_TIMEOUT_S = 2.0
 TIMEOUT_S = 10.0  # a reply's wait, past the block of a blocking command
 ATTEMPTS = 3  # on a broken connection or a timeout, as the api's redis-py client
 IDLE = 64  # connections kept between calls; more are opened while calls overlap
+MAX_CONNECTIONS = 512  # open at once, as the api's redis-py pool; further calls wait
 
 
 class Pipelines(Protocol):
@@ -163,6 +164,7 @@ class RawPipelines:
         self.host, self.port, self.db = host, port, db
         self.username, self.password = username, password
         self._idle: list[_Connection] = []
+        self._slots = asyncio.Semaphore(MAX_CONNECTIONS)
         self._closed = False
 
     @classmethod
@@ -184,6 +186,11 @@ class RawPipelines:
         if not commands:
             return []
         payload = pack(commands)
+        async with self._slots:
+            replies = await self._execute(payload, len(commands), block_s)
+        return raise_first(replies) if raise_on_error else replies
+
+    async def _execute(self, payload: bytes, n: int, block_s: float) -> list[Any]:
         for attempt in range(ATTEMPTS + 1):
             conn = self._idle.pop() if self._idle else None
             try:
@@ -191,7 +198,7 @@ class RawPipelines:
                     conn = await self._connect()
                 conn.writer.write(payload)
                 async with asyncio.timeout(TIMEOUT_S + block_s):
-                    replies = await conn.replies(len(commands))
+                    replies = await conn.replies(n)
             except (redis.exceptions.ConnectionError, OSError, TimeoutError) as exc:
                 if conn is not None:
                     conn.close()
@@ -215,7 +222,7 @@ class RawPipelines:
                 self._idle.append(conn)
             else:
                 conn.close()
-            return raise_first(replies) if raise_on_error else replies
+            return replies
         raise AssertionError("unreachable")
 
     async def _connect(self) -> _Connection:
