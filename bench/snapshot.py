@@ -260,13 +260,16 @@ def run(records: int = 1_000_000, queries: int = 200, workers: int = 2, batch: i
                 t = time.perf_counter()
                 client.request("GET", "/v1/queries/q0")
                 times["http_floor"].append((time.perf_counter() - t) * 1000)
-                # a vehicle's position update: one moving object per request (in open ocean,
-                # away from every query, like the background publisher's)
+            # A vehicle's position update: one moving object per request (in open ocean, away
+            # from every query, like the background publisher's). After the queries: a change
+            # of the counts before each count would make it wait for their writing (see
+            # --publish-rate for queries under ingest).
+            for i in range(queries):
                 bx = rng.uniform(BACKGROUND_BOX[0], BACKGROUND_BOX[2])
                 by = rng.uniform(BACKGROUND_BOX[1], BACKGROUND_BOX[3])
                 t = time.perf_counter()
                 client.request("POST", "/v1/objects", {"objects": [
-                    {"id": f"buoy-{len(times['publish_one']) % 100}", "lon": bx, "lat": by}]})
+                    {"id": f"buoy-{i % 100}", "lon": bx, "lat": by}]})
                 times["publish_one"].append((time.perf_counter() - t) * 1000)
             if background is not None:
                 background.stopping.set()
