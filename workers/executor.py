@@ -176,15 +176,6 @@ SUMMARY_S = 0.2  # how often the keyword summaries of changed subscriptions are 
 TOMBSTONE_S = 6 * 3600.0  # how long a deleted subscription id is remembered (late sub+ copies)
 
 
-def in_cell_order(cells: dict[int, int]) -> tuple[bytes, bytes]:
-    """A bucket's per-cell counts on the wire: cell ids and counts, in cell id order (row
-    after row), which the readers search by row (`cellcounts.HeldCounts.count`)."""
-    ids = np.fromiter(cells, dtype="<i8", count=len(cells))
-    counts = np.fromiter(cells.values(), dtype="<i8", count=len(cells))
-    order = np.argsort(ids, kind="stable")
-    return ids[order].tobytes(), counts[order].tobytes()
-
-
 class Executor:
     def __init__(self, settings: Settings, worker_id: str, redis_url: str) -> None:
         self.settings = settings
@@ -669,7 +660,7 @@ class Executor:
                 continue
             pipe.hset(key, mapping={
                 field: wire.encode_cell_counts(wire.CellCounts(buckets=[
-                    (bucket, *in_cell_order(cells))])),
+                    (bucket, *cells.encoded())])),
                 names.cell_counts_version_field(field): version})
         for tenant in sorted({t for t, _ in changed}):
             # the buckets listed for the readers (`names.cell_counts_key`)

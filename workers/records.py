@@ -178,6 +178,76 @@ class Chunk:
                      cells=cells[by_cell])
 
 
+class BucketCells:
+    """One arrival bucket's records per cell of the global grid (CheetahGIS's per-cell counts):
+    the cell ids in ascending order and their counts, as the workers write them for the
+    readers (`app.pipeline.cellcounts`). Chunks' counts are folded in when next read: a merge
+    of their few cells into the sorted arrays, not a sort of every cell of the bucket at each
+    write (a bucket of a million records, 3-4 ms)."""
+
+    def __init__(self) -> None:
+        self._ids: I64 = np.empty(0, dtype=np.int64)
+        self._counts: I64 = np.empty(0, dtype=np.int64)
+        self._pending: list[tuple[I64, I64]] = []
+        self._shared = False  # the arrays were handed out: the next fold copies them
+
+    def add(self, cells: I64, counts: I64) -> None:
+        """Count `counts[i]` more records in `cells[i]` (distinct cells, ascending: as
+        `np.unique` gives them)."""
+        self._pending.append((cells, counts))
+
+    def arrays(self) -> tuple[I64, I64]:
+        """The cell ids (ascending) and their counts; not to be changed by the caller."""
+        out = self._folded()
+        self._shared = True
+        return out
+
+    def encoded(self) -> tuple[bytes, bytes]:
+        """The cell ids and counts as the wire carries them (little-endian int64)."""
+        ids, counts = self._folded()
+        return ids.astype("<i8", copy=False).tobytes(), counts.astype("<i8", copy=False).tobytes()
+
+    def _folded(self) -> tuple[I64, I64]:
+        if self._pending:
+            self._fold()
+        return self._ids, self._counts
+
+    def get(self, cell: int, default: int = 0) -> int:
+        ids, counts = self._folded()
+        at = int(np.searchsorted(ids, cell))
+        return int(counts[at]) if at < ids.size and ids[at] == cell else default
+
+    def items(self) -> list[tuple[int, int]]:
+        ids, counts = self._folded()
+        return list(zip(ids.tolist(), counts.tolist(), strict=True))
+
+    def __len__(self) -> int:
+        return int(self._folded()[0].size)
+
+    def _fold(self) -> None:
+        pending, self._pending = self._pending, []
+        if len(pending) == 1:
+            new_ids, new_counts = pending[0]
+        else:
+            joined = np.concatenate([c for c, _ in pending])
+            new_ids, inverse = np.unique(joined, return_inverse=True)
+            new_counts = np.bincount(inverse, weights=np.concatenate([n for _, n in pending]),
+                                     minlength=new_ids.size).astype(np.int64)
+        ids = self._ids
+        at = np.searchsorted(ids, new_ids)
+        known = at < ids.size
+        known[known] = ids[at[known]] == new_ids[known]
+        fresh = ~known
+        if fresh.any():  # new arrays (those handed out stay as they were)
+            ids = self._ids = np.insert(ids, at[fresh], new_ids[fresh])
+            counts = self._counts = np.insert(self._counts, at[fresh], new_counts[fresh])
+            counts[np.searchsorted(ids, new_ids[known])] += new_counts[known]
+        else:
+            counts = self._counts = self._counts.copy() if self._shared else self._counts
+            counts[at] += new_counts
+        self._shared = False
+
+
 @dataclass
 class TenantRecords:
     """One tenant's records on this worker, oldest chunk first, and per moving object the
@@ -187,16 +257,14 @@ class TenantRecords:
     by_object: dict[str, deque[tuple[float, float, int]]] = field(default_factory=dict)
     size: int = 0
     floor: int = NO_CUT  # a view's: records of buckets up to it are left out (`after`)
-    # bucket -> global grid cell -> records (CheetahGIS's per-cell counts; `CellCounts`)
-    cell_counts: dict[int, dict[int, int]] = field(default_factory=dict)
+    # bucket -> its records per global grid cell (CheetahGIS's per-cell counts)
+    cell_counts: dict[int, BucketCells] = field(default_factory=dict)
 
     def count_cells(self, chunk: Chunk, grid: Grid) -> None:
         cx, cy = grid.cells_of(chunk.lon, chunk.lat)
         cells, counts = np.unique(grid.cell_id(cx.astype(np.int64), cy.astype(np.int64)),
                                   return_counts=True)
-        held = self.cell_counts.setdefault(chunk.bucket, {})
-        for c, n in zip(cells.tolist(), counts.tolist(), strict=True):
-            held[c] = held.get(c, 0) + n
+        self.cell_counts.setdefault(chunk.bucket, BucketCells()).add(cells, counts)
 
     def add(self, chunk: Chunk) -> None:
         self.chunks.append(chunk)

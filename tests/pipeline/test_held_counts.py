@@ -1,6 +1,6 @@
 """`HeldCounts.count` (a count's whole cells from the workers' per-cell counts) against a
 brute-force sum over every cell of every bucket: buckets written in cell order (as workers
-write them, `in_cell_order`) or in any order (a worker of an earlier version), any box, any
+hold and write them, `BucketCells`) or in any order (a worker of an earlier version), any box, any
 horizon."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from app.geo.grid import Grid
 from app.pipeline import names, wire
 from app.pipeline.cellcounts import CellCounts
-from workers.executor import in_cell_order
+from workers.records import BucketCells
 
 NX, NY = 37, 23
 GRID = Grid(nx=NX, ny=NY)
@@ -25,8 +25,11 @@ buckets_st = st.dictionaries(
 
 
 def encoded(bucket: int, cells: dict[int, int], ordered: bool) -> bytes:
-    if ordered:
-        ids, counts = in_cell_order(cells)
+    if ordered:  # as a worker holds and writes them
+        held = BucketCells()
+        for cid, n in cells.items():
+            held.add(np.array([cid], dtype=np.int64), np.array([n], dtype=np.int64))
+        ids, counts = (a.tobytes() for a in held.arrays())
     else:
         ids = np.fromiter(cells, dtype="<i8", count=len(cells)).tobytes()
         counts = np.fromiter(cells.values(), dtype="<i8", count=len(cells)).tobytes()
@@ -51,3 +54,27 @@ def test_count_equals_brute_force(buckets: dict[int, dict[int, int]], ordered: b
                    for cid, n in cells.items()
                    if x0 <= cid % NX <= x1 and y0 <= cid // NX <= y1)
         assert held.count((x0, y0, x1, y1), horizon) == want
+
+
+@settings(max_examples=200, deadline=None)
+@given(steps=st.lists(st.tuples(st.lists(st.integers(0, 60), max_size=30), st.booleans()),
+                      max_size=25))
+def test_bucket_cells_equal_a_dict_of_counts(steps: list[tuple[list[int], bool]]) -> None:
+    """`BucketCells` (chunks' counts folded into sorted arrays when read) against a dict:
+    reads between any adds, arrays handed out before an add left as they were."""
+    held, want = BucketCells(), dict[int, int]()
+    seen: list[tuple[np.ndarray, np.ndarray, list[tuple[int, int]]]] = []
+    for cells, read in steps:
+        ids, counts = np.unique(np.array(cells, dtype=np.int64), return_counts=True)
+        held.add(ids, counts)
+        for c in cells:
+            want[c] = want.get(c, 0) + 1
+        if read:
+            got_ids, got_counts = held.arrays()
+            assert (np.diff(got_ids) > 0).all()
+            assert held.items() == sorted(want.items())
+            seen.append((got_ids, got_counts, sorted(want.items())))
+            assert all(held.get(c) == n for c, n in want.items()) and held.get(-1) == 0
+    assert held.items() == sorted(want.items()) and len(held) == len(want)
+    for ids_then, counts_then, items_then in seen:  # (the very arrays handed out)
+        assert list(zip(ids_then.tolist(), counts_then.tolist(), strict=True)) == items_then
