@@ -21,6 +21,7 @@ from urllib.parse import unquote, urlparse
 
 import hiredis
 import redis.exceptions
+from redis._parsers import BaseParser  # its error table: LOADING, OOM, NOSCRIPT...
 
 from app.core.redis import is_cluster
 
@@ -128,6 +129,12 @@ def pack(commands: Sequence[Command]) -> bytes:
     return b"".join(out)
 
 
+def _error(message: str) -> Exception:
+    """The exception redis-py raises for an error reply of this message."""
+    error: Exception = BaseParser.parse_error(message)  # type: ignore[no-untyped-call]
+    return error
+
+
 class _Connection:
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.reader = reader
@@ -135,6 +142,8 @@ class _Connection:
         self.parser = hiredis.Reader(replyError=redis.exceptions.ResponseError)
 
     async def replies(self, n: int) -> list[Any]:
+        """The next `n` replies; an error reply as redis-py's exception for it (LOADING is
+        a BusyLoadingError, OOM an OutOfMemoryError, NOSCRIPT a NoScriptError...)."""
         out: list[Any] = []
         while len(out) < n:
             reply = self.parser.gets()
@@ -144,6 +153,8 @@ class _Connection:
                     raise redis.exceptions.ConnectionError("Redis closed the connection")
                 self.parser.feed(data)
                 continue
+            if isinstance(reply, redis.exceptions.ResponseError):
+                reply = _error(str(reply))
             out.append(reply)
         return out
 
@@ -222,6 +233,12 @@ class RawPipelines:
                 self._idle.append(conn)
             else:
                 conn.close()
+            if attempt < ATTEMPTS and any(
+                    isinstance(r, redis.exceptions.BusyLoadingError) for r in replies):
+                # Redis is loading its data (just restarted): asked again shortly, as
+                # redis-py's retries do (the connection is sound)
+                await asyncio.sleep(random.uniform(0, min(0.5, 0.02 * 2 ** attempt)))
+                continue
             return replies
         raise AssertionError("unreachable")
 

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import hiredis
 import pytest
 import redis
 import redis.asyncio as aioredis
@@ -225,3 +226,43 @@ def test_a_script_redis_lost_is_sent_again_with_its_text(redis_url: str) -> None
             await client.aclose()
 
     assert run(scenario()) == [2, 5, 7, 10]
+
+
+def test_a_loading_redis_is_asked_again_then_refused_as_redis_py_does() -> None:
+    """A Redis that is loading its data answers LOADING (a restart on a large AOF: too slow to
+    make here, so a stand-in server answers it): the call is made again shortly, and while it
+    lasts past the retries the error is redis-py's BusyLoadingError (the api's 503), never a
+    plain ResponseError (a 500)."""
+    async def scenario() -> tuple[list[Any], type[BaseException], int]:
+        loading = {"left": 2}
+        calls = {"n": 0}
+
+        async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            parser = hiredis.Reader()
+            while data := await reader.read(65536):
+                parser.feed(data)
+                while (command := parser.gets()) is not False:
+                    calls["n"] += 1
+                    if loading["left"]:
+                        loading["left"] -= 1
+                        writer.write(b"-LOADING Redis is loading the dataset in memory\r\n")
+                    else:
+                        writer.write(b"$%d\r\n%s\r\n" % (len(command[1]), command[1]))
+
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        raw = RawPipelines("127.0.0.1", port)
+        try:
+            got = await raw.execute([("ECHO", "hello")])
+            loading["left"] = 10**6
+            with pytest.raises(redis.exceptions.RedisError) as refused:
+                await raw.execute([("ECHO", "again")])
+            return got, refused.type, calls["n"]
+        finally:
+            await raw.aclose()
+            server.close()
+
+    got, refused, calls = run(scenario())
+    assert got == [b"hello"]
+    assert refused is redis.exceptions.BusyLoadingError
+    assert calls == 3 + 4  # two refusals and an answer; then every attempt refused
