@@ -204,10 +204,8 @@ async def rate_limit(state: AppState, principal: Principal, now: float,
     window = int(now)
     if count is None:
         counter = names.rate_key(principal.key_id, window)
-        pipe = state.redis.pipeline(transaction=False)
-        pipe.incr(counter)
-        pipe.expire(counter, 2)
-        count = _counted((await pipe.execute(raise_on_error=False))[0])
+        count = _counted((await state.pipelines.execute(
+            [("INCR", counter), ("EXPIRE", counter, 2)], raise_on_error=False))[0])
     if count > limit:
         retry = max(1, int(window + 1 - now + 0.999))
         raise RateLimited(f"rate limit of {limit} requests/s per key exceeded",
