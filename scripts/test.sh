@@ -28,13 +28,13 @@ install_chromium || true
 
 # Without arguments: the whole suite in one process more than there are cores, at most 8
 # (most tests spend much of their time waiting on servers they started; each process may run
-# a SparkSession), each test file kept in one (its module's servers are shared by its tests),
-# the longest files first (tests/conftest.py, LONGEST_FIRST; xdist would otherwise start with
-# the files of the most tests); GEOSWARM_TEST_PROCESSES=N sets the number, 1 runs it in one.
+# a SparkSession), each test file kept in one (its module's servers are shared by its tests);
+# GEOSWARM_TEST_PROCESSES=N sets the number, 1 runs it in one. (Measured on 2 cores from a
+# clean clone: two processes more took 1 034 s against 900, each test slower; the longest
+# files first took 961 s, the Spark files then running together.)
 cores="$(nproc 2>/dev/null || echo 2)"
-# (two more was slower: 1 034 s against 900 s from a clean clone on 2 cores, each test slower)
 processes="${GEOSWARM_TEST_PROCESSES:-$(( cores + 1 < 8 ? cores + 1 : 8 ))}"
 if [ $# -eq 0 ] && [ "$processes" != 1 ]; then
-  set -- -n "$processes" --dist loadfile --no-loadscope-reorder
+  set -- -n "$processes" --dist loadfile
 fi
 exec "$VENV/bin/python" -m pytest "$@"

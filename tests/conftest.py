@@ -288,41 +288,11 @@ def inprocess_worker(inprocess: InProcessServer) -> InProcessServer:
     return inprocess
 
 
-# The longest test files (seconds of one clean-clone run, 2 cores), started first when the
-# suite runs in several processes (`scripts/test.sh`: files whole, in this order, then the
-# rest as collected): the longest-first order keeps the last process from finishing a long
-# file alone. The two Spark files are apart, so that their sessions rarely start together.
-LONGEST_FIRST = (
-    "tests/spark/test_archive_queries.py",  # 302
-    "tests/workers/test_balancing.py",  # 180
-    "tests/workers/test_redis_cluster.py",  # 156
-    "tests/workers/test_quiet_clients.py",  # 140
-    "tests/workers/test_redis_faults.py",  # 134
-    "tests/spark/test_ingest.py",  # 199
-    "tests/workers/test_balancer_e2e.py",  # 103
-    "tests/workers/test_outbox_e2e.py",  # 90
-    "tests/bench/test_pipeline_bench.py",  # 90
-    "tests/workers/test_pipeline.py",  # 69
-    "tests/bench/test_archive_bench.py",  # 65
-    "tests/workers/test_archive_flush.py",  # 64
-    "tests/workers/test_snapshot_eval.py",  # 56
-    "tests/workers/test_keyword_summaries.py",  # 53
-    "tests/spark/test_archive_on_redis_cluster.py",  # 52
-    "tests/e2e/test_dev.py",  # 52
-    "tests/bench/test_knn_bench.py",  # 51
-    "tests/workers/test_failover.py",  # 47
-)
-
-
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """A SparkSession is a JVM process: the tests that start one are slow as well as spark.
-    The longest files first (LONGEST_FIRST), each file's tests in their order."""
+    """A SparkSession is a JVM process: the tests that start one are slow as well as spark."""
     for item in items:
         if "spark" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.slow)
-    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
-    first = len(rank)
-    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], first))
 
 
 @pytest.fixture
