@@ -19,7 +19,7 @@ import numpy as np
 
 from app.archive.layout import NO_CUT
 from app.geo.geometry import bbox_contains
-from app.geo.grid import Grid
+from app.geo.grid import Grid, run_positions
 from app.pipeline.wire import ObjectBatch
 
 F64 = np.ndarray[Any, np.dtype[np.float64]]
@@ -127,11 +127,7 @@ class Chunk:
         starts = found[0::2]
         lens = found[1::2] - starts
         np.maximum(lens, 0, out=lens)  # an empty run (xb < xa)
-        total = int(lens.sum())
-        if total == 0:
-            return np.empty(0, dtype=np.int64)
-        pos = np.repeat(starts - (np.cumsum(lens) - lens), lens) + np.arange(total)
-        return self.order[pos]
+        return self.order[run_positions(starts, lens)]
 
     def last_row(self) -> dict[tuple[str, float], int]:
         """(moving object id, ts) -> its last row in the chunk (built on first use)."""

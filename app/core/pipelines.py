@@ -162,6 +162,11 @@ class _Connection:
         self.writer.close()
 
 
+async def _backoff(attempt: int) -> None:
+    """As the api client's ExponentialWithJitterBackoff(base=0.02, cap=0.5)."""
+    await asyncio.sleep(random.uniform(0, min(0.5, 0.02 * 2 ** attempt)))
+
+
 class RawPipelines:
     """Pipelines on connections of our own to one Redis (TCP, no TLS): each call takes an idle
     connection (or opens one), writes its commands, reads their replies, and gives the
@@ -222,8 +227,7 @@ class RawPipelines:
                             f"{TIMEOUT_S + block_s:g} s") from exc
                     raise redis.exceptions.ConnectionError(
                         f"Redis at {self.host}:{self.port}: {exc}") from exc
-                # as the client's ExponentialWithJitterBackoff(base=0.02, cap=0.5)
-                await asyncio.sleep(random.uniform(0, min(0.5, 0.02 * 2 ** attempt)))
+                await _backoff(attempt)
                 continue
             except BaseException:
                 if conn is not None:
@@ -237,7 +241,7 @@ class RawPipelines:
                     isinstance(r, redis.exceptions.BusyLoadingError) for r in replies):
                 # Redis is loading its data (just restarted): asked again shortly, as
                 # redis-py's retries do (the connection is sound)
-                await asyncio.sleep(random.uniform(0, min(0.5, 0.02 * 2 ** attempt)))
+                await _backoff(attempt)
                 continue
             return replies
         raise AssertionError("unreachable")

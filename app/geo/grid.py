@@ -109,3 +109,11 @@ class Grid:
         b = d["bounds"]
         return cls(bounds=(float(b[0]), float(b[1]), float(b[2]), float(b[3])),
                    nx=int(d["nx"]), ny=int(d["ny"]))
+
+
+def run_positions(starts: npt.NDArray[np.int64], lens: npt.NDArray[np.int64]
+                  ) -> npt.NDArray[np.int64]:
+    """Every position starts[i] .. starts[i] + lens[i] - 1 of every run, in order, in one
+    array (lens >= 0), without a loop over the runs."""
+    total = int(lens.sum())
+    return np.repeat(starts - (np.cumsum(lens) - lens), lens) + np.arange(total, dtype=np.int64)

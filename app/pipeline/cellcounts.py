@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from app.core.redis import run_script
-from app.geo.grid import Grid
+from app.geo.grid import Grid, run_positions
 from app.pipeline import names, wire
 from app.pipeline.cluster import entry_order
 
@@ -140,12 +140,7 @@ class HeldCounts:
         runs = np.flatnonzero(buckets >= horizon) * RUN
         lo = np.searchsorted(keys, runs + y0, side="left")
         hi = np.searchsorted(keys, runs + y1, side="right")
-        lens = hi - lo
-        total = int(lens.sum())
-        if not total:
-            return 0
-        # the positions lo[i] .. hi[i] - 1 of every run, in one array
-        at = np.arange(total) + np.repeat(lo - np.cumsum(lens) + lens, lens)
+        at = run_positions(lo, hi - lo)
         x = cx[at]
         return int(counts[at][(x >= x0) & (x <= x1)].sum())
 
