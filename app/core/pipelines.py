@@ -256,14 +256,19 @@ class RawPipelines:
                          else ("AUTH", self.password))
         if self.db:
             hello.append(("SELECT", self.db))
-        if hello:
+        if not hello:
+            return conn
+        try:  # (closed on any failure here: the caller never holds it)
             writer.write(pack(hello))
             async with asyncio.timeout(TIMEOUT_S):
                 refused = [r for r in await conn.replies(len(hello)) if isinstance(r, Exception)]
-            if refused:
-                conn.close()
-                raise redis.exceptions.AuthenticationError(f"Redis refused the connection: "
-                                                           f"{refused[0]}")
+        except BaseException:
+            conn.close()
+            raise
+        if refused:
+            conn.close()
+            raise redis.exceptions.AuthenticationError(f"Redis refused the connection: "
+                                                       f"{refused[0]}")
         return conn
 
     async def aclose(self) -> None:
