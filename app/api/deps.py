@@ -159,12 +159,18 @@ def client_address(conn: HTTPConnection) -> str:
 
 
 async def authenticate(state: AppState, key: str | None,
-                       failures: AuthFailures | None = None, address: str = "unknown"
-                       ) -> Principal:
+                       failures: AuthFailures | None = None, address: str = "unknown",
+                       window: int | None = None) -> tuple[Principal, int | None]:
     """The principal of `key`. An address with too many failed checks in the current window is
-    refused (429) before its key is looked up; only checks that looked a key up count."""
-    principal, _ = await check_key(state, refuse_early(key, failures, address))
-    return _known(principal, failures, address)
+    refused (429) before its key is looked up; only checks that looked a key up count. With
+    `window` (a second of the clock), also the key's requests in it if they were counted on
+    the way (`check_key`), else None."""
+    principal, count = await check_key(state, refuse_early(key, failures, address), window)
+    if principal is None:
+        if failures is not None:
+            failures.failed(address)
+        raise Unauthorized("unknown or revoked API key")
+    return principal, count
 
 
 def refuse_early(key: str | None, failures: AuthFailures | None, address: str) -> str:
@@ -183,15 +189,6 @@ def refuse_early(key: str | None, failures: AuthFailures | None, address: str) -
                 f"in {failures.window_s:g} s); retry in {retry} s",
                 headers={"Retry-After": str(retry)})
     return key
-
-
-def _known(principal: Principal | None, failures: AuthFailures | None, address: str
-           ) -> Principal:
-    if principal is None:
-        if failures is not None:
-            failures.failed(address)
-        raise Unauthorized("unknown or revoked API key")
-    return principal
 
 
 async def rate_limit(state: AppState, principal: Principal, now: float,
@@ -218,14 +215,12 @@ async def authenticate_request(request: Request, state: AppState) -> Principal:
     principal: Principal | None = getattr(request.state, "principal", None)
     if principal is not None:
         return principal
-    key = bearer_token(request.headers.get("authorization"))
-    failures, address = auth_failures(request.app), client_address(request)
-    key = refuse_early(key, failures, address)
     now = time.time()
     # A key this process knows is counted in the round trip that reads the revocation token.
     window = int(now) if state.settings.rate_limit_per_s > 0 else None
-    principal, count = await check_key(state, key, window)
-    principal = _known(principal, failures, address)
+    principal, count = await authenticate(
+        state, bearer_token(request.headers.get("authorization")), auth_failures(request.app),
+        client_address(request), window)
     await rate_limit(state, principal, now, count)
     request.state.principal = principal
     return principal
@@ -251,5 +246,6 @@ async def websocket_principal(websocket: WebSocket) -> Principal:
     state: AppState = websocket.app.state.gs
     key = (bearer_token(websocket.headers.get("authorization"))
            or websocket.query_params.get("token"))
-    return await authenticate(state, key, auth_failures(websocket.app),
-                              client_address(websocket))
+    principal, _ = await authenticate(state, key, auth_failures(websocket.app),
+                                      client_address(websocket))
+    return principal
