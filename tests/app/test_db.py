@@ -264,6 +264,20 @@ def test_create_many_and_get_with_tenant_isolation(session: Session) -> None:
     assert subscriptions.get_many(session, "globex", [r.id for r in rows]) == []
 
 
+def test_a_large_batch_keeps_its_order(session: Session) -> None:
+    """One INSERT ... RETURNING for the batch, sent in several pages of rows (over 1 000 on
+    PostgreSQL): row i is spec i, in creation (seq) order, read back the same."""
+    specs = [_spec(i, ttl_s=60 + i if i % 2 else None) for i in range(2500)]
+    rows = subscriptions.create_many(session, "acme", specs)
+    session.commit()
+    assert [r.spec for r in rows] == specs
+    assert [r.seq for r in rows] == sorted(r.seq for r in rows)
+    assert [r.expires_at is None for r in rows] == [i % 2 == 0 for i in range(2500)]
+    page, _ = subscriptions.list_page(session, "acme", 2500, 0)
+    assert [r.id for r in page] == [r.id for r in rows]
+    assert subscriptions.create_many(session, "acme", []) == []
+
+
 def test_get_hides_expired(session: Session) -> None:
     (row,) = subscriptions.create_many(session, "acme", [_spec(0, ttl_s=60)])
     row.expires_at = time.time() - 1
