@@ -9,12 +9,22 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import orjson
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.orm import Session, sessionmaker
 
 from app.core.config import Settings
 
 WAL_ATTEMPTS = 100  # 0.1 s apart: the switch to WAL waits up to 10 s for another process
+
+
+def _json_text(value: Any) -> str:
+    return orjson.dumps(value).decode()
+
+
+# JSON columns (a subscription's spec) through orjson, not the json module: writing and reading
+# them back was a fifth of the time of creating a batch of subscriptions.
+JSON_CODEC: dict[str, Any] = {"json_serializer": _json_text, "json_deserializer": orjson.loads}
 
 
 def make_engine(settings: Settings) -> Engine:
@@ -25,7 +35,7 @@ def make_engine(settings: Settings) -> Engine:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
         engine = create_engine(
             url, connect_args={"check_same_thread": False, "timeout": 30}, pool_size=20,
-            max_overflow=20,
+            max_overflow=20, **JSON_CODEC,
         )
 
         @event.listens_for(engine, "connect")
@@ -49,7 +59,8 @@ def make_engine(settings: Settings) -> Engine:
             cur.close()
 
         return engine
-    return create_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=20)
+    return create_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=20,
+                         **JSON_CODEC)
 
 
 def make_sessionmaker(engine: Engine) -> sessionmaker[Session]:
