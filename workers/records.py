@@ -103,6 +103,7 @@ class Chunk:
     order: I64  # the rows sorted by coarse cell
     cells: I64  # the coarse cell of each row in that order
     _last_row: dict[tuple[str, float], int] | None = None
+    _by_term: dict[str, I64] | None = None
 
     def rows_in(self, region: Region) -> I64:
         """Rows (indices) including every row inside the region's bbox within its runs of
@@ -128,6 +129,34 @@ class Chunk:
         lens = found[1::2] - starts
         np.maximum(lens, 0, out=lens)  # an empty run (xb < xa)
         return self.order[run_positions(starts, lens)]
+
+    def with_keywords(self, terms: frozenset[str], match_all: bool) -> Bool:
+        """Which rows have every one of `terms` (`match_all`) or any of them: from the rows of
+        each term (an inverted index of the chunk, built on first use)."""
+        index = self._by_term
+        if index is None:
+            lists: dict[str, list[int]] = {}
+            for i, kws in enumerate(self.batch.keywords):
+                for term in kws:
+                    lists.setdefault(term, []).append(i)
+            index = self._by_term = {t: np.array(rows, dtype=np.int64)
+                                     for t, rows in lists.items()}
+        n = self.ts.size
+        if not match_all:
+            mask = np.zeros(n, dtype=bool)
+            for term in terms:
+                rows = index.get(term)
+                if rows is not None:
+                    mask[rows] = True
+            return mask
+        counts = np.zeros(n, dtype=np.int64)
+        for term in terms:
+            rows = index.get(term)
+            if rows is None:
+                return np.zeros(n, dtype=bool)
+            counts[np.unique(rows)] += 1  # (a record may list a keyword twice)
+        held: Bool = counts == len(terms)
+        return held
 
     def last_row(self) -> dict[tuple[str, float], int]:
         """(moving object id, ts) -> its last row in the chunk (built on first use)."""

@@ -58,14 +58,13 @@ def evaluate(records: TenantRecords | None, part: wire.QueryPart, worker: str,
         return wire.QueryReply(worker=worker, latest=latest)
     if q.type == "knn":
         return _nearest(records, part, worker, grid)
-    if q.type == "count" and not q.keywords and not q.latest:
+    if q.type == "count" and not q.latest:
         # nothing to check row by row: the rows' numbers
         return wire.QueryReply(worker=worker, count=sum(
-            int(rows.size) for _, rows in _region_rows(records, part)))
-    rows = _matching(records, part)
+            int(rows.size) for _, rows in _wanted_rows(records, part)))
     if q.type in ("range", "keyword"):
-        order = sorted(range(len(rows)), key=lambda j: _newest_first(rows[j]))
-        return _listed(worker, rows, order, part.limit)
+        return _newest(records, part, worker)
+    rows = _matching(records, part)
     # count and topk_terms: with `latest`, moving objects' records are listed for the check
     reply = wire.QueryReply(worker=worker)
     terms: Counter[str] = Counter()
@@ -130,34 +129,61 @@ def _in_cells(grid: Grid, cells: tuple[int, int, int, int], lon: Any, lat: Any) 
     return (cx >= cells[0]) & (cx <= cells[2]) & (cy >= cells[1]) & (cy <= cells[3])
 
 
-def _newest_first(row: Row) -> tuple[float, str, float]:
-    chunk, i = row
-    return (-chunk.batch.ts[i], chunk.batch.ids[i], -float(chunk.at[i]))
+FIRST_FEW = 64  # `_ascending` sorts at least this many first
 
 
-def _by_distance(dist: Any, limit: int) -> Any:
-    """Row positions in order of distance: the nearest few first from a partial sort (O(n)),
-    all of them only if the predicates refuse so many that the loop gets that far."""
-    n = dist.size
-    first = min(n, max(64, 8 * limit))
+def _ascending(values: Any, limit: int) -> Iterator[int]:
+    """Positions in ascending order of `values`: the smallest few first from a partial sort
+    (O(n)), all of them only if the predicates refuse so many that the loop gets that far."""
+    n = values.size
+    first = min(n, max(FIRST_FEW, 8 * limit))
     if first < n:
-        near = np.argpartition(dist, first - 1)[:first]
-        near = near[np.argsort(dist[near], kind="stable")]
+        near = np.argpartition(values, first - 1)[:first]
+        near = near[np.argsort(values[near], kind="stable")]
         yield from near.tolist()
         rest = np.ones(n, dtype=bool)
         rest[near] = False
         # ties with the last of the first few may lie in the rest: the rest starts at its
-        # distance, and rows already given are skipped
+        # value, and positions already given are skipped
         far = np.flatnonzero(rest)
-        yield from far[np.argsort(dist[far], kind="stable")].tolist()
+        yield from far[np.argsort(values[far], kind="stable")].tolist()
     else:
-        yield from np.argsort(dist, kind="stable").tolist()
+        yield from np.argsort(values, kind="stable").tolist()
 
 
-def _listed(worker: str, rows: list[Row], order: list[int], limit: int) -> wire.QueryReply:
-    out = [_found(*rows[j]) for j in (order[:limit] if limit else order)]
-    return wire.QueryReply(worker=worker, records=out,
-                           truncated=bool(limit) and len(order) > limit)
+def _newest(records: TenantRecords | None, part: wire.QueryPart, worker: str
+            ) -> wire.QueryReply:
+    """range and keyword: the `part.limit` newest rows that satisfy the query (every one
+    without a limit), by (-ts, id, -arrival) as the aggregator merges them, and whether more
+    matched (`truncated`). Rows are examined newest first (`_ascending` of -ts), so that the
+    predicates run on the newest only and a query with a limit over a large region or a
+    common keyword reads a few rows of Python, not every row of the region."""
+    if records is None:
+        return wire.QueryReply(worker=worker)
+    found = [(chunk, rows) for chunk, rows in _wanted_rows(records, part) if rows.size]
+    if not found:
+        return wire.QueryReply(worker=worker)
+    row = np.concatenate([rows for _, rows in found])
+    which = np.repeat(np.arange(len(found), dtype=np.int64), [r.size for _, r in found])
+    age = -np.concatenate([chunk.ts[rows] for chunk, rows in found])
+    limit = part.limit
+    # sorted as the aggregator merges: (newest first, id, latest arrival first)
+    taken: list[tuple[float, str, float, Row]] = []
+    more = False
+    for j in _ascending(age, limit):
+        chunk, i = found[which[j]][0], int(row[j])
+        if part.query.latest and not _accepts(records, part, NO_TERMS, chunk, i):
+            continue
+        a = float(age[j])
+        if limit and len(taken) >= limit and a > taken[limit - 1][0]:
+            # older than the list's last (rows come in order of age: so is every row left)
+            more = True
+            break
+        taken.append((a, chunk.batch.ids[i], -float(chunk.at[i]), (chunk, i)))
+    taken.sort(key=lambda t: t[:3])
+    more = more or (bool(limit) and len(taken) > limit)
+    out = [_found(*t[3]) for t in (taken[:limit] if limit else taken)]
+    return wire.QueryReply(worker=worker, records=out, truncated=more)
 
 
 def _found(chunk: Chunk, i: int, light: bool = False) -> wire.FoundRecord:
@@ -179,6 +205,9 @@ def _in_time(chunk: Chunk, part: wire.QueryPart, rows: Any) -> Any:
     if q.t_to is not None:
         rows = rows[chunk.ts[rows] <= q.t_to]
     return rows
+
+
+NO_TERMS: frozenset[str] = frozenset()
 
 
 def _accepts(records: TenantRecords, part: wire.QueryPart, wanted: frozenset[str],
@@ -240,18 +269,28 @@ def _candidates(records: TenantRecords, part: wire.QueryPart, region: Region
             np.concatenate([chunk.lat[rows] for chunk, rows in found]))
 
 
+def _wanted_rows(records: TenantRecords | None, part: wire.QueryPart
+                 ) -> Iterator[tuple[Chunk, Any]]:
+    """`_region_rows` that also hold the query's keywords (not yet checked for `latest`)."""
+    q = part.query
+    if not q.keywords:
+        yield from _region_rows(records, part)
+        return
+    terms = frozenset(q.keywords)
+    for chunk, rows in _region_rows(records, part):
+        if rows.size:
+            yield chunk, rows[chunk.with_keywords(terms, q.match_all)[rows]]
+
+
 def _matching(records: TenantRecords | None, part: wire.QueryPart) -> list[Row]:
-    """The rows satisfying a query with a region, or none (keyword)."""
+    """The rows satisfying a query with a region, or none (count and topk_terms)."""
     if records is None:
         return []
-    q = part.query
-    wanted = frozenset(q.keywords)
-    check = bool(wanted) or q.latest
     rows: list[Row] = []
-    for chunk, picked in _region_rows(records, part):
-        if check:
+    for chunk, picked in _wanted_rows(records, part):
+        if part.query.latest:
             rows.extend((chunk, i) for i in picked.tolist()
-                        if _accepts(records, part, wanted, chunk, i))
+                        if _accepts(records, part, NO_TERMS, chunk, i))
         else:
             rows.extend((chunk, i) for i in picked.tolist())
     return rows
@@ -332,7 +371,7 @@ def _take_nearest(records: TenantRecords, part: wire.QueryPart, wanted: frozense
     # sorted as the aggregator merges: (distance, id, newest record first, latest arrival)
     taken: list[tuple[float, str, float, float, Row]] = []
     more = False
-    for j in _by_distance(dist, limit):
+    for j in _ascending(dist, limit):
         d = float(dist[j])
         chunk, i = chunks[which[j]], int(row[j])
         if not _accepts(records, part, wanted, chunk, i):
