@@ -28,7 +28,7 @@ import functools
 import logging
 import secrets
 import time
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -58,22 +58,18 @@ COUNTS_WAIT_S = 1.0  # how long a count waits for the per-cell counts to catch u
 MAX_ROUNDS = 8  # per-worker limit x4 each round: enough for any limit up to 10 000 x 4^7
 QUERY_STREAM_LEN = 10_000  # parts kept in a worker's query stream (answered ones are trimmed)
 
-# The first waits for the answers ride on the round trip that sends the parts (`_Run.first_wait`),
-# one per worker up to FIRST_WAITS; longer waits are made after them. Each is bounded: a worker
-# may be slow or gone.
+# The first wait for an answer rides on the round trip that sends the parts (`_Run.first_wait`);
+# longer waits are made after it. Bounded, as the parts may not have been sent.
 FIRST_WAIT_S = 0.05
-FIRST_WAITS = 8
 
 PLAN_ATTEMPTS = 5  # a query planned with a plan that changed before it was sent starts again
 
 # Send a query part to one worker: straight (its query stream), or in its stream when it has
 # failed over (its adopter processes that stream, not the query stream). Returns 1 if
 # straight, 0 if in the stream, -1 if not sent: the newest plan of the history is not the one
-# the query was planned with (its workers may miss a newer owner). A part not sent leaves an
-# empty answer in the reply list instead, so that a wait queued after it ends at once.
-# KEYS: worker stream, query stream, adopter key, plan history, reply list; ARGV: the part,
-# the query stream's length, the plan version the query was planned with ('' for any). With
-# outboxes (a
+# the query was planned with (its workers may miss a newer owner).
+# KEYS: worker stream, query stream, adopter key, plan history; ARGV: the part, the query
+# stream's length, the plan version the query was planned with ('' for any). With outboxes (a
 # Redis Cluster: the plan history is in another hash slot than the worker's streams) it is
 # called without the version and the history, and the history is read once every part is sent
 # (`_Run.gather`): plan versions only grow, so a newest version still the one planned with
@@ -82,8 +78,6 @@ SEND_PART_SCRIPT = """
 if ARGV[3] ~= '' then
   local newest = redis.call('LINDEX', KEYS[4], -1)
   if newest and string.match(string.sub(newest, 1, 40), '^{"version":(%d+),') ~= ARGV[3] then
-    redis.call('RPUSH', KEYS[5], '')
-    redis.call('EXPIRE', KEYS[5], 120)
     return -1
   end
 end
@@ -410,11 +404,11 @@ class QueryService:
         adopters = len(pipe)
         for w in targets:
             pipe.execute_command("GET", names.adopter_key(w))
-        # (read once the workers answered, having written their counts: they are then caught
-        # up without a read more, unless a worker took longer than the first waits)
+        # (read once the first worker answered, having written its counts: they are then
+        # caught up without a read more, for one worker at least)
         sending = border.first_wait(pipe, sending)
         reading = self.counts.read(pipe, targets, tenant, buckets)
-        got = await self.pipelines.execute(pipe.command_stack, block_s=sending.block_s)
+        got = await self.pipelines.execute(pipe.command_stack, block_s=FIRST_WAIT_S)
         if any(a is not None for a in got[adopters:adopters + len(targets)]):
             # (the parts sent are answered to a list nobody reads, which expires)
             log.info("a failed-over worker among %s: the workers count", targets)
@@ -504,12 +498,7 @@ class _Sending(NamedTuple):
     workers: list[str]
     first: int
     archive: bool = False
-    waited: range = range(0)  # the positions of the first waits for answers (`first_wait`)
-
-    @property
-    def block_s(self) -> float:
-        """How long the first waits may block their pipeline."""
-        return FIRST_WAIT_S * len(self.waited)
+    waited: int | None = None  # the position of the first wait for an answer (`first_wait`)
 
 
 class _Run:
@@ -535,7 +524,7 @@ class _Run:
         pipe = Batch()
         sending = self.first_wait(pipe, self.send(pipe, workers, limit, latest_of))
         return await self.gather(sending, await self.service.pipelines.execute(
-            pipe.command_stack, block_s=sending.block_s))
+            pipe.command_stack, block_s=FIRST_WAIT_S))
 
     def send(self, pipe: Batch, workers: Iterable[str], limit: int,
              latest_of: list[str] | None = None) -> _Sending:
@@ -551,11 +540,10 @@ class _Run:
         order = sorted(set(workers))
         first = len(pipe)
         checked = self.service.router.outbox is None  # see SEND_PART_SCRIPT
-        reply = names.query_reply_key(token)
         for w in order:
             keys = [names.worker_stream(w), names.query_stream(w), names.adopter_key(w)]
             run_script(pipe, self.service.send_part,
-                       [*keys, names.PLAN_HISTORY, reply] if checked else keys,
+                       [*keys, names.PLAN_HISTORY] if checked else keys,
                        [part, QUERY_STREAM_LEN, self.version if checked else ""])
         if self.cut is not None:
             pipe.execute_command("XADD", names.ARCHIVE_JOBS, "MAXLEN", "~", ARCHIVE_JOBS_LEN,
@@ -563,19 +551,15 @@ class _Run:
         return _Sending(token, order, first, self.cut is not None)
 
     def first_wait(self, pipe: Batch, sending: _Sending) -> _Sending:
-        """Queue the first waits for answers as the last commands of `pipe` (a blocking pop
-        blocks the commands after it): one per worker a part goes to, up to FIRST_WAITS, so
-        that sending the parts and taking the workers' answers are one round trip. Each waits
-        FIRST_WAIT_S at most (a worker may be slow or gone; a part not sent leaves an empty
-        answer, see SEND_PART_SCRIPT); `gather` waits longer for the rest. Not on a Redis
-        Cluster, whose pipelines are split by node."""
+        """Queue the first wait for an answer as the last command of `pipe` (a blocking pop
+        blocks the commands after it), so that sending the parts and waiting for the first
+        answer are one round trip. It waits FIRST_WAIT_S at most: the parts may not have
+        been sent (a newer plan, see `gather`). Not on a Redis Cluster, whose pipelines are
+        split by node."""
         if self.service.router.outbox is not None:
             return sending
-        key = names.query_reply_key(sending.token)
-        first = len(pipe)
-        for _ in range(min(len(sending.workers), FIRST_WAITS)):
-            pipe.execute_command("BLPOP", key, FIRST_WAIT_S)
-        return sending._replace(waited=range(first, len(pipe)))
+        pipe.execute_command("BLPOP", names.query_reply_key(sending.token), FIRST_WAIT_S)
+        return sending._replace(waited=len(pipe) - 1)
 
     async def _plan_changed(self) -> bool:
         """Whether the newest plan of the plan history is not the one the query was planned
@@ -603,14 +587,10 @@ class _Run:
         key = names.query_reply_key(token)
         replies: list[wire.QueryReply] = []
         answered = False
-        # the answers the first waits took (`first_wait`), in order
-        early = deque(got for got in map(results.__getitem__, sending.waited)
-                      if got is not None)
+        got = results[sending.waited] if sending.waited is not None else None
         try:
             while waiting:
-                if early:
-                    got = early.popleft()
-                else:
+                if got is None:
                     left = self.deadline - time.time()
                     if left <= 0:
                         raise QueryFailed(
@@ -622,7 +602,7 @@ class _Run:
                     if got is None:
                         await self._check_alive(waiting, straight)
                         continue
-                raw = got[1]
+                raw, got = got[1], None
                 reply = wire.decode_query_reply(raw if isinstance(raw, bytes) else raw.encode())
                 if reply.worker not in waiting:
                     continue  # a replayed answer
