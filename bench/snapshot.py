@@ -5,9 +5,12 @@ processes), side by side in one run with Redis's own GEOSEARCH on the same point
 
 Queries are sent one at a time, alternating the two systems, so that both see the same
 machine load; each geoswarm range answer is checked against a brute-force count over the
-published points. The timed requests go through a plain keep-alive HTTP/1.1 connection
-(`Lean`), as GEOSEARCH goes through redis-py: httpx's own work per request was 0.3-0.4 ms of a
-2 ms query (side by side on one server), and its tail more.
+published points. Beside them, geoswarm alone: the 10 newest records of a large box and of
+a keyword anywhere (what GEOSEARCH cannot ask), checked against brute force too.
+
+The timed requests go through a plain keep-alive HTTP/1.1 connection (`Lean`), as GEOSEARCH
+goes through redis-py: httpx's own work per request was 0.3-0.4 ms of a 2 ms query (side by
+side on one server), and its tail more.
 
 A third side: the same GEOSEARCH calls behind HTTP (`bench.geosearch_http`: the smallest web
 service in front of Redis, Starlette on uvicorn as geoswarm's api runs), what a user comparing
@@ -66,12 +69,12 @@ class Lean:
 def publish(server: LiveServer, key: str, objs: dict[str, Any], batch: int) -> list[str]:
     h = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
     lon, lat, kws = objs["lon"].tolist(), objs["lat"].tolist(), objs["keywords"]
+    ts = objs["ts"].tolist()
     ids: list[str] = []
-    now = time.time()
     with httpx.Client(base_url=server.base_url, timeout=120) as client:
         for a in range(0, len(lon), batch):
             body = orjson.dumps({"objects": [
-                {"lon": lon[i], "lat": lat[i], "keywords": kws[i], "ts": now}
+                {"lon": lon[i], "lat": lat[i], "keywords": kws[i], "ts": ts[i]}
                 for i in range(a, min(a + batch, len(lon)))]})
             for _ in range(100):
                 r = client.post("/v1/objects", headers=h, content=body)
@@ -146,14 +149,26 @@ def summary(ms: list[float]) -> dict[str, float]:
             "mean_ms": round(statistics.fmean(ms), 2) if ms else float("nan")}
 
 
-def _agrees(objs: dict[str, Any], kind: str, where: list[float], got: Any, k: int) -> bool:
-    """A range answer's size, or a knn answer's k-th distance, against brute force."""
-    if kind == "range":
+def _agrees(objs: dict[str, Any], kind: str, where: Any, got: Any, k: int,
+            ids: list[str]) -> bool:
+    """A range answer's size, a knn answer's k-th distance, or the 10 newest records' ids,
+    against brute force."""
+    if kind in ("range", "newest_box"):
         inside = ((objs["lon"] >= where[0]) & (objs["lon"] <= where[2])
                   & (objs["lat"] >= where[1]) & (objs["lat"] <= where[3]))
+        if kind == "newest_box":
+            return bool(got == newest(objs, ids, np.flatnonzero(inside).tolist()))
         return bool(got == int(min(inside.sum(), 10_000)))
+    if kind == "newest_keyword":
+        return bool(got == objs["newest_ids"][where])
     d = haversine_m(where[0], where[1], objs["lon"], objs["lat"])
     return bool(abs(float(np.partition(d, k - 1)[k - 1]) - got) <= 0.01)
+
+
+def newest(objs: dict[str, Any], ids: list[str], rows: list[int]) -> list[str]:
+    """The ids of the 10 newest of these records (newest first, then by id)."""
+    ts = objs["ts"]
+    return [ids[r] for r in sorted(rows, key=lambda r: (-ts[r], ids[r]))[:10]]
 
 
 def world_box(x0: float, y0: float, x1: float, y1: float) -> list[float]:
@@ -172,6 +187,8 @@ def run(records: int = 1_000_000, queries: int = 200, workers: int = 2, batch: i
                        GEOSWARM_QUERY_TIMEOUT_S="120", **extra) as server:
         rng = np.random.default_rng(seed)
         objs = make_objects(records, rng)
+        # each record's own time within the last 50 minutes (a sensor's, a post's)
+        objs["ts"] = time.time() - rng.uniform(0, 3000, records)
         key = server.new_key("bench")
         t0, wall0 = time.perf_counter(), time.time()
         ids = publish(server, key, objs, batch)
@@ -202,11 +219,11 @@ def run(records: int = 1_000_000, queries: int = 200, workers: int = 2, batch: i
             out["count_all"] = r["results"][0]["count"]
             times: dict[str, list[float]] = {n: [] for n in (
                 "range", "geosearch_box", "geosearch_box_http", "range_keywords", "knn",
-                "geosearch_knn", "geosearch_knn_http", "count_large_box", "http_floor",
-                "publish_one")}
+                "geosearch_knn", "geosearch_knn_http", "count_large_box", "newest_large_box",
+                "newest_keyword", "http_floor", "publish_one")}
             # answers are checked after the timed loop: the brute force over every point
             # would leave the machine's caches cold for the next query
-            checks: list[tuple[str, list[float], Any]] = []
+            checks: list[tuple[str, Any, Any]] = []
             background = None
             if publish_rate > 0:
                 background = Background(server, key, publish_rate, publish_batch, seed + 1)
@@ -252,10 +269,21 @@ def run(records: int = 1_000_000, queries: int = 200, workers: int = 2, batch: i
                                               "m": max(1.0, far * 1.01)})
                 times["geosearch_knn_http"].append((time.perf_counter() - t) * 1000)
                 checks.append(("knn", [lon, lat], far))
+                large = world_box(lon - 10, lat - 5, lon + 10, lat + 5)
                 t = time.perf_counter()
-                client.request("POST", "/v1/queries", {
-                    "type": "count", "bbox": world_box(lon - 10, lat - 5, lon + 10, lat + 5)})
+                client.request("POST", "/v1/queries", {"type": "count", "bbox": large})
                 times["count_large_box"].append((time.perf_counter() - t) * 1000)
+                # the 10 newest records of a large region, and of a keyword anywhere
+                t = time.perf_counter()
+                r = client.request("POST", "/v1/queries", {
+                    "type": "range", "bbox": large, "limit": 10})
+                times["newest_large_box"].append((time.perf_counter() - t) * 1000)
+                checks.append(("newest_box", large, [x["id"] for x in r["results"]]))
+                t = time.perf_counter()
+                r = client.request("POST", "/v1/queries", {
+                    "type": "keyword", "keywords": [word], "limit": 10})
+                times["newest_keyword"].append((time.perf_counter() - t) * 1000)
+                checks.append(("newest_keyword", word, [x["id"] for x in r["results"]]))
                 # what any authenticated request costs (HTTP, the key check, a Redis read)
                 t = time.perf_counter()
                 client.request("GET", "/v1/queries/q0")
@@ -280,8 +308,15 @@ def run(records: int = 1_000_000, queries: int = 200, workers: int = 2, batch: i
             client.close()
             peer.close()
             stop_processes([peer_proc])
+        # each keyword asked: the ids of the 10 newest records that have it
+        asked: set[str] = {where for kind, where, _ in checks if kind == "newest_keyword"}
+        having: dict[str, list[int]] = {w: [] for w in asked}
+        for row, kws in enumerate(objs["keywords"]):
+            for w in asked.intersection(kws):
+                having[w].append(row)
+        objs["newest_ids"] = {w: newest(objs, ids, rows) for w, rows in having.items()}
         out["answers_differing_from_brute_force"] = sum(
-            not _agrees(objs, kind, where, got, k) for kind, where, got in checks)
+            not _agrees(objs, kind, where, got, k, ids) for kind, where, got in checks)
         for name, ms in times.items():
             out[name] = summary(ms)
         out["range_vs_geosearch_p50"] = round(
