@@ -54,6 +54,9 @@ from app.pipeline.wire import STALE_CUT
 log = logging.getLogger(__name__)
 
 QUERY_TTL_S = 3600  # how long a finished query's answer can be read
+# An answer given at once is stored after it is sent (off its path): a `GET` of its id that
+# reaches another api process first waits up to this long after the id was made for it.
+STORE_GRACE_S = 2.0
 COUNTS_WAIT_S = 1.0  # how long a count waits for the per-cell counts to catch up
 MAX_ROUNDS = 8  # per-worker limit x4 each round: enough for any limit up to 10 000 x 4^7
 QUERY_STREAM_LEN = 10_000  # parts kept in a worker's query stream (answered ones are trimmed)
@@ -173,8 +176,8 @@ class QueryService:
         `{"id", "status": "failed", "error"}`; with an outcome given now, how to keep it for
         `GET /v1/queries/{id}`, to run once the answer is sent (off the answer's path: a
         Redis round trip and an encoding of every result)."""
-        query_id = "q" + secrets.token_hex(10)
         started = time.time()
+        query_id = new_query_id(started)
         outcome = _Outcome(asyncio.get_running_loop().create_future())
         task = asyncio.create_task(self._run(query_id, tenant, query, started, outcome),
                                    name=f"query-{query_id}")
@@ -201,7 +204,15 @@ class QueryService:
         """The public body of a query of this tenant, or None (unknown, or another tenant's)."""
         if not query_id.isascii() or len(query_id) > 64:
             return None
-        [raw] = await self.pipelines.execute([("GET", names.query_key(query_id))])
+        key = names.query_key(query_id)
+        [raw] = await self.pipelines.execute([("GET", key)])
+        made = query_id_time(query_id)
+        # (an id's time is another process's clock, or made up: never wait past the grace)
+        until = min(made, time.time()) + STORE_GRACE_S if made is not None else 0.0
+        while raw is None and time.time() < until:
+            # made moments ago: its answer may be on its way to Redis (`submit`)
+            await asyncio.sleep(0.01)
+            [raw] = await self.pipelines.execute([("GET", key)])
         if raw is None:
             return None
         doc = orjson.loads(raw)
@@ -467,6 +478,22 @@ class QueryService:
         for plan in plans:
             workers |= plan_workers(plan, query)
         return sorted(workers)
+
+HEX = frozenset("0123456789abcdef")
+
+
+def new_query_id(now: float) -> str:
+    """A query id: 'q', the time it was made (milliseconds, 11 hex digits), 16 random hex
+    digits."""
+    return f"q{int(now * 1000):011x}{secrets.token_hex(8)}"
+
+
+def query_id_time(query_id: str) -> float | None:
+    """When a query id of `new_query_id`'s shape was made (None for any other string)."""
+    if len(query_id) != 28 or query_id[0] != "q" or not HEX.issuperset(query_id[1:]):
+        return None
+    return int(query_id[1:12], 16) / 1000
+
 
 def whole_cells(grid: Grid, bbox: tuple[float, float, float, float]
                 ) -> tuple[int, int, int, int] | None:

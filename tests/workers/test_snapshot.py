@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
+import orjson
 import pytest
 import redis
 import redis.asyncio as aioredis
@@ -26,7 +27,7 @@ import redis.asyncio as aioredis
 from app.core.config import get_settings
 from app.geo.geometry import haversine_m
 from app.pipeline import names, wire
-from app.pipeline.queries import QueryService
+from app.pipeline.queries import STORE_GRACE_S, QueryService, new_query_id
 from app.pipeline.router import Router
 from tests.conftest import LiveServer, auth, start_server
 from tests.workers.test_balancing import command, owner, plan_of
@@ -256,6 +257,54 @@ def test_an_answer_given_at_once_is_kept_for_its_id(cluster: LiveServer) -> None
             got = client.get(f"/v1/queries/{body['id']}", headers=auth(key))
             assert got.status_code == 200, got.text
             assert got.json() == body
+
+
+def test_an_answer_given_at_once_is_found_through_another_api_process(cluster: LiveServer
+                                                                     ) -> None:
+    """An answer given within `wait_s` is stored after it is sent. A `GET` of its id that
+    reaches another api process before the store lands (here held back 0.3 s) waits for it
+    instead of answering 404; an id of that shape made moments ago and never stored is 404
+    once the grace is over, and an id of another shape at once."""
+    tenant = "race-" + secrets.token_hex(3)
+    key = cluster.new_key(tenant)
+    data, clock = Records(), [t0()]
+    with httpx.Client(base_url=cluster.base_url, timeout=60) as http:
+        publish(http, key, data, random_objects(random.Random(11), 100, clock))
+    with pytest.MonkeyPatch.context() as mp:
+        for name, value in cluster.env.items():
+            mp.setenv(name, value)
+        get_settings.cache_clear()
+        settings = get_settings()
+    get_settings.cache_clear()
+    q = {"type": "range", "bbox": [-2, -1, 2, 1], "limit": 10_000}
+
+    async def scenario() -> tuple[dict[str, Any], Any, Any, Any, float]:
+        client = aioredis.from_url(cluster.redis_url)
+        first = QueryService(settings, client, Router(settings, client))
+        other = QueryService(settings, client, Router(settings, client))
+        body, keep = await first.submit(
+            tenant, wire.SnapshotQuery(type="range", bbox=(-2, -1, 2, 1), limit=10_000), 10)
+        assert body["status"] == "done" and keep is not None
+
+        async def late() -> None:
+            await asyncio.sleep(0.3)
+            await keep()
+
+        storing = asyncio.create_task(late())
+        got = await other.status(tenant, body["id"])
+        await storing
+        started = time.monotonic()
+        never = await other.status(tenant, new_query_id(time.time()))
+        waited = time.monotonic() - started
+        shaped_otherwise = await other.status(tenant, "q" + "0" * 20)
+        await client.aclose()
+        return body, got, never, shaped_otherwise, waited
+
+    body, got, never, shaped_otherwise, waited = asyncio.run(scenario())
+    assert shaped(q, body["results"]) == data.answer(q)
+    assert got == orjson.loads(orjson.dumps(body))
+    assert never is None and waited >= STORE_GRACE_S * 0.9
+    assert shaped_otherwise is None
 
 
 def test_a_query_waits_for_the_backlog_accepted_before_it(cluster: LiveServer) -> None:
