@@ -111,22 +111,20 @@ class ClientPipelines:
 
 
 def pack(commands: Sequence[Command]) -> bytes:
-    """`commands` in RESP: each an array of bulk strings."""
-    out: list[bytes] = []
-    for command in commands:
-        out.append(b"*%d\r\n" % len(command))
-        for arg in command:
-            if isinstance(arg, bytes):
-                data = arg
-            elif isinstance(arg, str):
-                data = arg.encode()
-            elif isinstance(arg, int | float) and not isinstance(arg, bool):
-                data = repr(arg).encode()
-            else:
-                raise redis.exceptions.DataError(
-                    f"invalid argument of type {type(arg).__name__}: bytes, str, int or float")
-            out.append(b"$%d\r\n%s\r\n" % (len(data), data))
-    return b"".join(out)
+    """`commands` in RESP: each an array of bulk strings (str as UTF-8, numbers as their
+    `repr`), packed by hiredis (a command of thousands of arguments, an HMGET of a read's
+    records, costs a fraction of a loop in Python)."""
+    try:
+        return b"".join([hiredis.pack_command(c if isinstance(c, tuple) else tuple(c))
+                         for c in commands])
+    except TypeError:
+        for command in commands:
+            for arg in command:
+                if not isinstance(arg, bytes | str | int | float) or isinstance(arg, bool):
+                    raise redis.exceptions.DataError(
+                        f"invalid argument of type {type(arg).__name__}: bytes, str, int or "
+                        "float") from None
+        raise
 
 
 def _error(message: str) -> Exception:

@@ -26,6 +26,7 @@ from redis.asyncio.client import PubSub
 from starlette.concurrency import run_in_threadpool
 
 from app.core.metrics import HOPS, WS_CLOSED, WS_CONNECTIONS, WS_MESSAGES
+from app.core.pipelines import Pipelines
 from app.core.redis import pubsub_pool
 from app.pipeline import names, wire
 from app.services import subscriptions
@@ -131,13 +132,19 @@ HISTORY_LINES_PER_READ = 10_000
 NO_REFS = wire.MatchRefs([], b"")  # a kNN entry references no records
 
 
-async def read_history(redis: aioredis.Redis, sub_id: str, pos: Position, count: int,
+async def read_history(pipelines: Pipelines, sub_id: str, pos: Position, count: int,
                        tenant: str) -> HistoryBatch:
     """Messages of `sub_id` after `pos`, at most about `count` entries."""
-    return (await read_histories(redis, {sub_id: pos}, count, tenant))[sub_id]
+    return (await read_histories(pipelines, {sub_id: pos}, count, tenant))[sub_id]
 
 
-async def read_histories(redis: aioredis.Redis, positions: dict[str, Position], count: int,
+def _fields(raw: Any) -> dict[bytes, bytes]:
+    """A stream entry's fields: a flat list of names and values as Redis sends them, or the
+    dict redis-py's pipelines make of it."""
+    return raw if isinstance(raw, dict) else dict(zip(raw[0::2], raw[1::2], strict=True))
+
+
+async def read_histories(pipelines: Pipelines, positions: dict[str, Position], count: int,
                          tenant: str, max_lines: int | None = None) -> dict[str, HistoryBatch]:
     """Many subscriptions' messages after their positions in two round trips: one pipeline of
     XRANGEs, one of HMGETs for the records they reference (each record stored once). With
@@ -145,35 +152,33 @@ async def read_histories(redis: aioredis.Redis, positions: dict[str, Position], 
     read): the records fetched and rendered stay bounded however large the entries are, and a
     subscription cut short comes back `full` (read it again)."""
     subs = list(positions)
-    pipe = redis.pipeline(transaction=False)
-    for sub in subs:
-        pipe.xrange(names.history_key(sub), min=entry_start(positions[sub]), count=count)
-    replies = await pipe.execute()
+    replies = await pipelines.execute(
+        [("XRANGE", names.history_key(sub), entry_start(positions[sub]), "+", "COUNT", count)
+         for sub in subs])
     parsed: dict[str, list[Parsed]] = {}
-    wanted: dict[bytes, set[bytes]] = {}
+    wanted: dict[bytes, set[str]] = {}
     cut: set[str] = set()
     lines = 0
     for sub, entries in zip(subs, replies, strict=True):
         rows = parsed[sub] = []
-        for eid_b, fields in entries:
+        for eid_b, raw in entries:
             if max_lines is not None and lines >= max_lines:
                 cut.add(sub)
                 break
+            fields = _fields(raw)
             eid = eid_b.decode()
             refs = wire.decode_refs(fields[b"m"]) if b"m" in fields else NO_REFS
             lines += max(1, len(refs.record_ids))
             rows.append((eid, parse_entry_id(eid), refs, fields))
             if b"b" in fields:
                 rkey = names.records_key(tenant, int(fields[b"b"])).encode()
-                wanted.setdefault(rkey, set()).update(r.encode() for r in refs.record_ids)
+                wanted.setdefault(rkey, set()).update(refs.record_ids)
     records: dict[bytes, dict[str, bytes | None]] = {}
     if wanted:
-        pipe = redis.pipeline(transaction=False)
         order = [(rk, list(rids)) for rk, rids in wanted.items()]
-        for rk, rids in order:
-            pipe.hmget(rk, rids)
-        for (rk, rids), vals in zip(order, await pipe.execute(), strict=True):
-            records[rk] = {r.decode(): v for r, v in zip(rids, vals, strict=True)}
+        got = await pipelines.execute([("HMGET", rk, *rids) for rk, rids in order])
+        for (rk, rids), vals in zip(order, got, strict=True):
+            records[rk] = dict(zip(rids, vals, strict=True))
     out = {sub: render_entries(sub, parsed[sub], records, positions[sub], count, tenant)
            for sub in subs}
     for sub in cut:
@@ -817,7 +822,7 @@ class Hub:
             # Bounded memory per read, whatever the backlog: at most HISTORY_ENTRIES_PER_READ
             # entries and about HISTORY_LINES_PER_READ matches (the rest is read next time).
             count = max(1, min(256, budget, HISTORY_ENTRIES_PER_READ // len(positions)))
-            batches = await read_histories(self.redis, positions, count, tenant,
+            batches = await read_histories(self.state.pipelines, positions, count, tenant,
                                            max_lines=HISTORY_LINES_PER_READ)
             waiting = [max(batch.first_unread_ms, conn.listened_ms.get(sub, 0))
                        for sub, batch in batches.items() if batch.first_unread_ms is not None]

@@ -16,6 +16,8 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 import uvloop
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from app.core.config import Settings
 from app.core.pipelines import (
@@ -115,6 +117,29 @@ def test_only_plain_tcp_urls_are_served_raw() -> None:
     assert isinstance(pipelines_for("rediss://127.0.0.1:6380/0", client), ClientPipelines)
     with pytest.raises(redis.exceptions.DataError, match="NoneType"):
         pack([("GET", None)])
+    with pytest.raises(redis.exceptions.DataError, match="bool"):
+        pack([("SET", "k", "v"), ["GET", True]])
+
+
+def resp(commands: list[list[Any]]) -> bytes:
+    """RESP arrays of bulk strings, written out by hand: str as UTF-8, numbers as repr."""
+    out = b""
+    for command in commands:
+        out += b"*%d\r\n" % len(command)
+        for arg in command:
+            data = arg if isinstance(arg, bytes) else (
+                arg.encode() if isinstance(arg, str) else repr(arg).encode())
+            out += b"$%d\r\n%s\r\n" % (len(data), data)
+    return out
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.lists(st.one_of(
+    st.text(), st.binary(), st.integers(-2**80, 2**80),
+    st.floats(allow_nan=False)), min_size=1, max_size=6), max_size=5))
+def test_commands_are_packed_as_resp(commands: list[list[Any]]) -> None:
+    assert pack(commands) == resp(commands)
+    assert pack([tuple(c) for c in commands]) == resp(commands)
 
 
 @pytest.fixture

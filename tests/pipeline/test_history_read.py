@@ -8,8 +8,10 @@ from __future__ import annotations
 import asyncio
 
 import orjson
+import pytest
 import redis
 
+from app.core.pipelines import ClientPipelines, RawPipelines
 from app.core.redis import async_client
 from app.pipeline import names, wire
 from app.pipeline.hub import Position, read_histories, start_position
@@ -34,7 +36,11 @@ def write_history(client: redis.Redis, sub: str, sizes: list[int]) -> list[str]:
     return order
 
 
-def test_a_read_is_bounded_and_reading_on_yields_everything_once(redis_db: str) -> None:
+@pytest.mark.parametrize("raw", [True, False], ids=["raw-pipelines", "client-pipelines"])
+def test_a_read_is_bounded_and_reading_on_yields_everything_once(redis_db: str, raw: bool
+                                                                 ) -> None:
+    """Through the api's own pipelines (replies as Redis sends them) and through redis-py's
+    (the way on a Redis Cluster, replies as redis-py parses them)."""
     store = redis.Redis.from_url(redis_db)
     expected = {"big": write_history(store, "big", [3000] * 5),
                 "small": write_history(store, "small", [10, 10]),
@@ -44,12 +50,14 @@ def test_a_read_is_bounded_and_reading_on_yields_everything_once(redis_db: str) 
 
     async def run() -> tuple[dict[str, list[str]], list[int]]:
         client = async_client(redis_db)
+        pipelines = RawPipelines.from_url(redis_db) if raw else ClientPipelines(client)
+        assert pipelines is not None
         got: dict[str, list[str]] = {sub: [] for sub in expected}
         sizes: list[int] = []
         positions: dict[str, Position] = {sub: start_position(0) for sub in expected}
         try:
             while positions:
-                batches = await read_histories(client, positions, 256, TENANT,
+                batches = await read_histories(pipelines, positions, 256, TENANT,
                                                max_lines=max_lines)
                 sizes.append(sum(len(b.lines) for b in batches.values()))
                 for sub, batch in batches.items():
@@ -61,6 +69,7 @@ def test_a_read_is_bounded_and_reading_on_yields_everything_once(redis_db: str) 
                     if not batch.full:
                         del positions[sub]
         finally:
+            await pipelines.aclose()
             await client.aclose()
         return got, sizes
 

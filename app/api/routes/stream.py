@@ -252,7 +252,7 @@ async def replay(
         if trimmed:
             items.append(gap_line(sub_id, position_cursor(pos)))
     while len(items) < limit:
-        batch = await read_history(state.redis, sub_id, pos, 64, principal.tenant)
+        batch = await read_history(state.pipelines, sub_id, pos, 64, principal.tenant)
         items.extend(batch.lines)
         pos = batch.position
         if not batch.full:
