@@ -214,18 +214,11 @@ class BucketCells:
         self._ids: I64 = np.empty(0, dtype=np.int64)
         self._counts: I64 = np.empty(0, dtype=np.int64)
         self._pending: list[tuple[I64, I64]] = []
-        self._shared = False  # the arrays were handed out: the next fold copies them
 
     def add(self, cells: I64, counts: I64) -> None:
         """Count `counts[i]` more records in `cells[i]` (distinct cells, ascending: as
         `np.unique` gives them)."""
         self._pending.append((cells, counts))
-
-    def arrays(self) -> tuple[I64, I64]:
-        """The cell ids (ascending) and their counts; not to be changed by the caller."""
-        out = self._folded()
-        self._shared = True
-        return out
 
     def encoded(self) -> tuple[bytes, bytes]:
         """The cell ids and counts as the wire carries them (little-endian int64)."""
@@ -263,14 +256,12 @@ class BucketCells:
         known = at < ids.size
         known[known] = ids[at[known]] == new_ids[known]
         fresh = ~known
-        if fresh.any():  # new arrays (those handed out stay as they were)
+        if fresh.any():
             ids = self._ids = np.insert(ids, at[fresh], new_ids[fresh])
             counts = self._counts = np.insert(self._counts, at[fresh], new_counts[fresh])
             counts[np.searchsorted(ids, new_ids[known])] += new_counts[known]
         else:
-            counts = self._counts = self._counts.copy() if self._shared else self._counts
-            counts[at] += new_counts
-        self._shared = False
+            self._counts[at] += new_counts
 
 
 @dataclass
