@@ -25,6 +25,7 @@ from app.pipeline.wire import ObjectBatch
 F64 = np.ndarray[Any, np.dtype[np.float64]]
 Bool = np.ndarray[Any, np.dtype[np.bool_]]
 I64 = np.ndarray[Any, np.dtype[np.int64]]
+I32 = np.ndarray[Any, np.dtype[np.int32]]
 
 # The chunks' own coarse grid (0.1°, about 11 km): rows are kept sorted by its cell, so a query
 # region reads the slices of the cells it covers instead of every row.
@@ -44,6 +45,23 @@ MERGED_ROWS = 100_000
 # log_MERGE_FAN(n / s) between the maintenance's merges, and each row is copied once per tier).
 MERGE_FAN = 4
 MERGED_ON_ADD_ROWS = MERGED_ROWS
+
+
+class Vocabulary:
+    """The keywords of one tenant's records as dense ids (for the chunks' `occurrences`): ids
+    are given on first sight and kept while the window lives (a query counts terms with one
+    `np.bincount` over them)."""
+
+    def __init__(self) -> None:
+        self.ids: dict[str, int] = {}
+        self.terms: list[str] = []
+
+    def id(self, term: str) -> int:
+        got = self.ids.get(term)
+        if got is None:
+            got = self.ids[term] = len(self.terms)
+            self.terms.append(term)
+        return got
 
 
 def cell_range(bbox: tuple[float, float, float, float]) -> tuple[int, int, int, int]:
@@ -103,7 +121,9 @@ class Chunk:
     order: I64  # the rows sorted by coarse cell
     cells: I64  # the coarse cell of each row in that order
     _last_row: dict[tuple[str, float], int] | None = None
-    _by_term: dict[str, I64] | None = None
+    # (the vocabulary, term ids, rows) of `occurrences`, and the rows of each term id
+    _occurrences: tuple[Vocabulary, I32, I32] | None = None
+    _by_term: dict[int, I32] | None = None
 
     def rows_in(self, region: Region) -> I64:
         """Rows (indices) including every row inside the region's bbox within its runs of
@@ -130,31 +150,45 @@ class Chunk:
         np.maximum(lens, 0, out=lens)  # an empty run (xb < xa)
         return self.order[run_positions(starts, lens)]
 
-    def with_keywords(self, terms: frozenset[str], match_all: bool) -> Bool:
-        """Which rows have every one of `terms` (`match_all`) or any of them: from the rows of
-        each term (an inverted index of the chunk, built on first use)."""
-        index = self._by_term
-        if index is None:
-            lists: dict[str, list[int]] = {}
+    def occurrences(self, vocab: Vocabulary) -> tuple[I32, I32]:
+        """Every keyword of every row as (its id in `vocab`, the row), in row order; built on
+        first use (one pass over the rows' keywords), again for another vocabulary."""
+        held = self._occurrences
+        if held is None or held[0] is not vocab:
+            ids: list[int] = []
+            rows: list[int] = []
             for i, kws in enumerate(self.batch.keywords):
                 for term in kws:
-                    lists.setdefault(term, []).append(i)
-            index = self._by_term = {t: np.array(rows, dtype=np.int64)
-                                     for t, rows in lists.items()}
+                    ids.append(vocab.id(term))
+                    rows.append(i)
+            held = self._occurrences = (vocab, np.array(ids, dtype=np.int32),
+                                        np.array(rows, dtype=np.int32))
+            self._by_term = None
+        return held[1], held[2]
+
+    def with_keywords(self, terms: frozenset[str], match_all: bool, vocab: Vocabulary) -> Bool:
+        """Which rows have every one of `terms` (`match_all`) or any of them: from the rows of
+        each term (an inverted index of the chunk, made from its `occurrences`)."""
+        ids, rows = self.occurrences(vocab)
+        index = self._by_term
+        if index is None:
+            order = np.argsort(ids, kind="stable")
+            present, starts = np.unique(ids[order], return_index=True)
+            split = np.split(rows[order], starts[1:]) if present.size else []
+            index = self._by_term = dict(zip(present.tolist(), split, strict=True))
         n = self.ts.size
+        wanted = [index.get(vocab.ids.get(term, -1)) for term in terms]
         if not match_all:
             mask = np.zeros(n, dtype=bool)
-            for term in terms:
-                rows = index.get(term)
-                if rows is not None:
-                    mask[rows] = True
+            for found in wanted:
+                if found is not None:
+                    mask[found] = True
             return mask
         counts = np.zeros(n, dtype=np.int64)
-        for term in terms:
-            rows = index.get(term)
-            if rows is None:
+        for found in wanted:
+            if found is None:
                 return np.zeros(n, dtype=bool)
-            counts[np.unique(rows)] += 1  # (a record may list a keyword twice)
+            counts[np.unique(found)] += 1  # (a record may list a keyword twice)
         held: Bool = counts == len(terms)
         return held
 
@@ -275,6 +309,28 @@ class TenantRecords:
     floor: int = NO_CUT  # a view's: records of buckets up to it are left out (`after`)
     # bucket -> its records per global grid cell (CheetahGIS's per-cell counts)
     cell_counts: dict[int, BucketCells] = field(default_factory=dict)
+    vocab: Vocabulary = field(default_factory=Vocabulary)  # (shared by the views of `after`)
+
+    def term_counts(self, selected: list[tuple[Chunk, I64]]) -> dict[str, int]:
+        """How many times each keyword occurs in the rows selected of each chunk: one count
+        over the chunks' `occurrences` of those rows."""
+        parts = []
+        for chunk, rows in selected:
+            if not rows.size:
+                continue
+            ids, at = chunk.occurrences(self.vocab)
+            if rows.size == chunk.ts.size:  # every row (rows are distinct)
+                parts.append(ids)
+            else:
+                mask = np.zeros(chunk.ts.size, dtype=bool)
+                mask[rows] = True
+                parts.append(ids[mask[at]])
+        if not parts:
+            return {}
+        counts = np.bincount(np.concatenate(parts), minlength=len(self.vocab.terms))
+        seen = np.flatnonzero(counts)
+        terms = self.vocab.terms
+        return {terms[i]: n for i, n in zip(seen.tolist(), counts[seen].tolist(), strict=True)}
 
     def count_cells(self, chunk: Chunk, grid: Grid) -> None:
         cx, cy = grid.cells_of(chunk.lon, chunk.lat)

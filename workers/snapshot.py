@@ -13,7 +13,6 @@ the aggregator's check (`QueryPart.latest_of`), so those records are always list
 from __future__ import annotations
 
 import math
-from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
@@ -64,18 +63,22 @@ def evaluate(records: TenantRecords | None, part: wire.QueryPart, worker: str,
             int(rows.size) for _, rows in _wanted_rows(records, part)))
     if q.type in ("range", "keyword"):
         return _newest(records, part, worker)
-    rows = _matching(records, part)
-    # count and topk_terms: with `latest`, moving objects' records are listed for the check
+    # count and topk_terms: with `latest`, moving objects' records that are the latest here
+    # are listed for the api's check, the others counted (and their keywords)
     reply = wire.QueryReply(worker=worker)
-    terms: Counter[str] = Counter()
-    for chunk, i in rows:
-        if q.latest and chunk.batch.moving[i]:
-            reply.records.append(_found(chunk, i, light=True))
-            continue
-        reply.count += 1
-        if q.type == "topk_terms":
-            terms.update(chunk.batch.keywords[i])
-    reply.terms = dict(terms)
+    if records is None:
+        return reply
+    counted: list[tuple[Chunk, Any]] = []
+    for chunk, rows in _wanted_rows(records, part):
+        if q.latest:
+            moving = chunk.moving[rows]
+            reply.records += [_found(chunk, i, light=True) for i in rows[moving].tolist()
+                              if _accepts(records, part, NO_TERMS, chunk, i)]
+            rows = rows[~moving]
+        reply.count += int(rows.size)
+        counted.append((chunk, rows))
+    if q.type == "topk_terms":
+        reply.terms = records.term_counts(counted)
     return reply
 
 
@@ -273,27 +276,15 @@ def _wanted_rows(records: TenantRecords | None, part: wire.QueryPart
                  ) -> Iterator[tuple[Chunk, Any]]:
     """`_region_rows` that also hold the query's keywords (not yet checked for `latest`)."""
     q = part.query
+    if records is None:
+        return
     if not q.keywords:
         yield from _region_rows(records, part)
         return
     terms = frozenset(q.keywords)
     for chunk, rows in _region_rows(records, part):
         if rows.size:
-            yield chunk, rows[chunk.with_keywords(terms, q.match_all)[rows]]
-
-
-def _matching(records: TenantRecords | None, part: wire.QueryPart) -> list[Row]:
-    """The rows satisfying a query with a region, or none (count and topk_terms)."""
-    if records is None:
-        return []
-    rows: list[Row] = []
-    for chunk, picked in _wanted_rows(records, part):
-        if part.query.latest:
-            rows.extend((chunk, i) for i in picked.tolist()
-                        if _accepts(records, part, NO_TERMS, chunk, i))
-        else:
-            rows.extend((chunk, i) for i in picked.tolist())
-    return rows
+            yield chunk, rows[chunk.with_keywords(terms, q.match_all, records.vocab)[rows]]
 
 
 FIRST_RADIUS_M = 1_000.0  # knn looks this far first, then 4x as far until it is sure

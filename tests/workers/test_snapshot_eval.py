@@ -6,6 +6,7 @@ and the knn radius grow to the whole world."""
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
@@ -355,6 +356,14 @@ def test_range_and_keyword_lists_are_the_newest_first(rows: list[Any], data: Any
     assert [(-r.ts, r.id, -r.at) for r in reply.records] == (ranked[:limit] if limit
                                                               else ranked)
     assert reply.truncated == (bool(limit) and len(ranked) > limit)
-    if not latest:  # (with `latest` a count lists moving objects' records for the api)
-        counted = ask(w, msgspec.structs.replace(q, type="count")).count
-        assert counted == len(ranked)
+    # count and topk_terms: the records counted, and their keywords; with `latest` the
+    # moving objects' latest records are listed for the api's check instead
+    chosen = [(j, r) for j, r in enumerate(rows) if wanted(j, r)]
+    listed = sorted(f"m{r[4]}" for _, r in chosen if latest and r[4] is not None)
+    counted = [r for _, r in chosen if not (latest and r[4] is not None)]
+    for kind in ("count", "topk_terms"):
+        got = ask(w, msgspec.structs.replace(q, type=kind, k=3))
+        assert got.count == len(counted)
+        assert sorted(r.id for r in got.records) == listed
+        if kind == "topk_terms":
+            assert got.terms == dict(Counter(t for r in counted for t in sorted(r[2])))
