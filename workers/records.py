@@ -11,6 +11,7 @@ worker reads its window back instead of losing it.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -47,12 +48,18 @@ MERGE_FAN = 4
 MERGED_ON_ADD_ROWS = MERGED_ROWS
 
 
+# A tenant's vocabulary of more terms than this is made anew once it is older than the window
+# (the terms of records gone with it go too; the chunks left list their keywords again).
+VOCAB_RENEW_TERMS = 100_000
+
+
 class Vocabulary:
     """The keywords of one tenant's records as dense ids (for the chunks' `occurrences`): ids
-    are given on first sight and kept while the window lives (a query counts terms with one
-    `np.bincount` over them)."""
+    are given on first sight (a query counts terms with one `np.bincount` over them), and kept
+    until the vocabulary is renewed (`RecordWindow.expire`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, since: float = 0.0) -> None:
+        self.since = since  # when it was made
         self.ids: dict[str, int] = {}
         self.terms: list[str] = []
 
@@ -309,7 +316,8 @@ class TenantRecords:
     floor: int = NO_CUT  # a view's: records of buckets up to it are left out (`after`)
     # bucket -> its records per global grid cell (CheetahGIS's per-cell counts)
     cell_counts: dict[int, BucketCells] = field(default_factory=dict)
-    vocab: Vocabulary = field(default_factory=Vocabulary)  # (shared by the views of `after`)
+    # (shared by the views of `after`)
+    vocab: Vocabulary = field(default_factory=lambda: Vocabulary(time.time()))
 
     def term_counts(self, selected: list[tuple[Chunk, I64]]) -> dict[str, int]:
         """How many times each keyword occurs in the rows selected of each chunk: one count
@@ -472,6 +480,9 @@ class RecordWindow:
             self.changed.update((tenant, b) for b in records.cell_counts if b < horizon)
             records.expire(horizon, through)
             records.compact()
+            vocab = records.vocab
+            if len(vocab.terms) > VOCAB_RENEW_TERMS and now - vocab.since > self.window_s:
+                records.vocab = Vocabulary(now)
         for tenant in [t for t, r in self.tenants.items() if not r.size]:
             del self.tenants[tenant]
 

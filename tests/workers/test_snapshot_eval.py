@@ -367,3 +367,30 @@ def test_range_and_keyword_lists_are_the_newest_first(rows: list[Any], data: Any
         assert sorted(r.id for r in got.records) == listed
         if kind == "topk_terms":
             assert got.terms == dict(Counter(t for r in counted for t in sorted(r[2])))
+
+
+def test_a_large_old_vocabulary_is_renewed_and_terms_still_count() -> None:
+    """A tenant's vocabulary past VOCAB_RENEW_TERMS and older than the window is made anew
+    at the maintenance (the terms of records gone go with it); the chunks left list their
+    keywords again, and the terms and keyword predicates still count right."""
+    rows = [(0.5 + i / 1000, 0.5, {"abc"[i % 3], f"w{i}"}) for i in range(50)]
+    w = window_of(rows)
+    box = (0.0, 0.0, 1.0, 1.0)
+    want = dict(Counter(t for r in rows for t in r[2]))
+    q = wire.SnapshotQuery(type="topk_terms", bbox=box, k=3)
+    assert ask(w, q).terms == want
+    old = w.tenants["t"].vocab
+    old.since = NOW  # made now (the tests' clock)
+    saved = records.VOCAB_RENEW_TERMS
+    records.VOCAB_RENEW_TERMS = 10
+    try:
+        w.expire(NOW + 10, -1)  # younger than the window: kept
+        assert w.tenants["t"].vocab is old
+        old.since = NOW - 7200
+        w.expire(NOW + 10, -1)
+    finally:
+        records.VOCAB_RENEW_TERMS = saved
+    assert w.tenants["t"].vocab is not old and not w.tenants["t"].vocab.terms
+    assert ask(w, q).terms == want
+    listed = ask(w, wire.SnapshotQuery(type="keyword", keywords=["a"]), limit=100)
+    assert sorted(r.id for r in listed.records) == sorted(f"o{i}" for i in range(0, 50, 3))
