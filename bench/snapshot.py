@@ -6,7 +6,8 @@ processes), side by side in one run with Redis's own GEOSEARCH on the same point
 Queries are sent one at a time, alternating the two systems, so that both see the same
 machine load; each geoswarm range answer is checked against a brute-force count over the
 published points. Beside them, geoswarm alone: the 10 newest records of a large box and of
-a keyword anywhere (what GEOSEARCH cannot ask), checked against brute force too.
+a keyword anywhere, and the 10 most frequent terms of a large box (what GEOSEARCH cannot ask),
+checked against brute force too.
 
 The timed requests go through a plain keep-alive HTTP/1.1 connection (`Lean`), as GEOSEARCH
 goes through redis-py: httpx's own work per request was 0.3-0.4 ms of a 2 ms query (side by
@@ -28,6 +29,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from typing import Any
 
 import httpx
@@ -159,6 +161,11 @@ def _agrees(objs: dict[str, Any], kind: str, where: Any, got: Any, k: int,
         if kind == "newest_box":
             return bool(got == newest(objs, ids, np.flatnonzero(inside).tolist()))
         return bool(got == int(min(inside.sum(), 10_000)))
+    if kind == "topk_terms":
+        inside = ((objs["lon"] >= where[0]) & (objs["lon"] <= where[2])
+                  & (objs["lat"] >= where[1]) & (objs["lat"] <= where[3]))
+        terms = Counter(t for i in np.flatnonzero(inside).tolist() for t in objs["keywords"][i])
+        return bool(got == sorted(terms.items(), key=lambda tc: (-tc[1], tc[0]))[:10])
     if kind == "newest_keyword":
         return bool(got == objs["newest_ids"][where])
     d = haversine_m(where[0], where[1], objs["lon"], objs["lat"])
@@ -220,7 +227,7 @@ def run(records: int = 1_000_000, queries: int = 200, workers: int = 2, batch: i
             times: dict[str, list[float]] = {n: [] for n in (
                 "range", "geosearch_box", "geosearch_box_http", "range_keywords", "knn",
                 "geosearch_knn", "geosearch_knn_http", "count_large_box", "newest_large_box",
-                "newest_keyword", "http_floor", "publish_one")}
+                "newest_keyword", "topk_terms_large_box", "http_floor", "publish_one")}
             # answers are checked after the timed loop: the brute force over every point
             # would leave the machine's caches cold for the next query
             checks: list[tuple[str, Any, Any]] = []
@@ -279,6 +286,12 @@ def run(records: int = 1_000_000, queries: int = 200, workers: int = 2, batch: i
                     "type": "range", "bbox": large, "limit": 10})
                 times["newest_large_box"].append((time.perf_counter() - t) * 1000)
                 checks.append(("newest_box", large, [x["id"] for x in r["results"]]))
+                t = time.perf_counter()
+                r = client.request("POST", "/v1/queries", {
+                    "type": "topk_terms", "bbox": large, "k": 10})
+                times["topk_terms_large_box"].append((time.perf_counter() - t) * 1000)
+                checks.append(("topk_terms", large, [(x["term"], x["count"])
+                                                     for x in r["results"]]))
                 t = time.perf_counter()
                 r = client.request("POST", "/v1/queries", {
                     "type": "keyword", "keywords": [word], "limit": 10})
