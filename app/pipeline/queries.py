@@ -479,6 +479,7 @@ class QueryService:
             workers |= plan_workers(plan, query)
         return sorted(workers)
 
+
 HEX = frozenset("0123456789abcdef")
 
 
