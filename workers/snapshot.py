@@ -154,6 +154,15 @@ def _ascending(values: Any, limit: int) -> Iterator[int]:
         yield from np.argsort(values, kind="stable").tolist()
 
 
+def _flattened(found: list[tuple[Chunk, I64]]) -> tuple[I64, I64]:
+    """Every row of the chunks' row lists in one array, and beside each, the position of its
+    chunk in `found`."""
+    if not found:
+        return np.empty(0, np.int64), np.empty(0, np.int64)
+    return (np.concatenate([rows for _, rows in found]),
+            np.repeat(np.arange(len(found), dtype=np.int64), [r.size for _, r in found]))
+
+
 def _newest(records: TenantRecords | None, part: wire.QueryPart, worker: str
             ) -> wire.QueryReply:
     """range and keyword: the `part.limit` newest rows that satisfy the query (every one
@@ -166,8 +175,7 @@ def _newest(records: TenantRecords | None, part: wire.QueryPart, worker: str
     found = [(chunk, rows) for chunk, rows in _wanted_rows(records, part) if rows.size]
     if not found:
         return wire.QueryReply(worker=worker)
-    row = np.concatenate([rows for _, rows in found])
-    which = np.repeat(np.arange(len(found), dtype=np.int64), [r.size for _, r in found])
+    row, which = _flattened(found)
     age = -np.concatenate([chunk.ts[rows] for chunk, rows in found])
     limit = part.limit
     # sorted as the aggregator merges: (newest first, id, latest arrival first)
@@ -335,8 +343,7 @@ def _nearest(records: TenantRecords | None, part: wire.QueryPart, worker: str,
         near, lon, lat = _candidates(records, part,
                                      Region.of(circle_bbox(px, py, min(radius, WORLD_M))))
         chunks = [chunk for chunk, _ in near]
-        row = np.concatenate([rows for _, rows in near]) if near else np.empty(0, np.int64)
-        which = np.repeat(np.arange(len(near), dtype=np.int64), [r.size for _, r in near])
+        row, which = _flattened(near)
         dist = haversine_m(px, py, lon, lat)
         if not world:
             keep = dist <= radius
