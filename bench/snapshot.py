@@ -153,18 +153,17 @@ def summary(ms: list[float]) -> dict[str, float]:
 
 def _agrees(objs: dict[str, Any], kind: str, where: Any, got: Any, k: int,
             ids: list[str]) -> bool:
-    """A range answer's size, a knn answer's k-th distance, or the 10 newest records' ids,
-    against brute force."""
-    if kind in ("range", "newest_box"):
+    """A range answer's size, a knn answer's k-th distance, the 10 newest records' ids or the
+    10 most frequent terms, against brute force."""
+    if kind in ("range", "newest_box", "topk_terms"):
         inside = ((objs["lon"] >= where[0]) & (objs["lon"] <= where[2])
                   & (objs["lat"] >= where[1]) & (objs["lat"] <= where[3]))
+        if kind == "range":
+            return bool(got == int(min(inside.sum(), 10_000)))
+        rows = np.flatnonzero(inside).tolist()
         if kind == "newest_box":
-            return bool(got == newest(objs, ids, np.flatnonzero(inside).tolist()))
-        return bool(got == int(min(inside.sum(), 10_000)))
-    if kind == "topk_terms":
-        inside = ((objs["lon"] >= where[0]) & (objs["lon"] <= where[2])
-                  & (objs["lat"] >= where[1]) & (objs["lat"] <= where[3]))
-        terms = Counter(t for i in np.flatnonzero(inside).tolist() for t in objs["keywords"][i])
+            return bool(got == newest(objs, ids, rows))
+        terms = Counter(t for i in rows for t in objs["keywords"][i])
         return bool(got == sorted(terms.items(), key=lambda tc: (-tc[1], tc[0]))[:10])
     if kind == "newest_keyword":
         return bool(got == objs["newest_ids"][where])

@@ -58,7 +58,7 @@ class Vocabulary:
     are given on first sight (a query counts terms with one `np.bincount` over them), and kept
     until the vocabulary is renewed (`RecordWindow.expire`)."""
 
-    def __init__(self, since: float = 0.0) -> None:
+    def __init__(self, since: float) -> None:
         self.since = since  # when it was made
         self.ids: dict[str, int] = {}
         self.terms: list[str] = []
