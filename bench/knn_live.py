@@ -38,6 +38,9 @@ from bench.pipeline import (
 )
 from bench.workload import city_points
 
+# how long partition moves held the workers' steps, on /metrics (`hop_counts` reads them)
+MOVE_SECONDS = ("geoswarm_worker_move_seconds",)
+
 
 class KnnReceiver(Listener):
     """The last list of each subscription, and the probes' latencies."""
@@ -195,10 +198,12 @@ async def drive(server: LiveServer, n_objects: int, n_subs: int, k: int, rate: f
         plan0 = plan_version(server)
         reports0 = knn_reports(server)
         hops0 = hop_counts(server.base_url)
+        moves0 = hop_counts(server.base_url, MOVE_SECONDS, "side")
         reset_redis_stats(server.redis_url)
         start = time.perf_counter()
         moves: list[float] = []
-        mover = (asyncio.create_task(move_back_and_forth(server, move_every, moves))
+        refused: list[str] = []
+        mover = (asyncio.create_task(move_back_and_forth(server, move_every, moves, refused))
                  if move_every > 0 else None)
         sent = await pace(seconds, timed=True)
         await asyncio.gather(*sends)
@@ -217,9 +222,17 @@ async def drive(server: LiveServer, n_objects: int, n_subs: int, k: int, rate: f
         reports = {n: v - reports0[n] for n, v in knn_reports(server).items()}
         cpu = {n: v - cpu0.get(n, 0.0) for n, v in cpu_seconds(server).items()}
         commands = top_commands(server.redis_url, 3)
-        await asyncio.sleep(1.0)  # the workers' hops reach /metrics with their heartbeats
+        await asyncio.sleep(1.5)  # the workers' hops reach /metrics with their heartbeats (1 s)
         hops = {f"{k}_p50_p99": v for k, v in
                 hop_breakdown(hops0, hop_counts(server.base_url), short=True).items()}
+        # how long the moves held the workers' steps (their streams waited meanwhile): how
+        # many, and their mean (a few moves: the histogram's buckets say little more)
+        moves1 = hop_counts(server.base_url, MOVE_SECONDS, "side")
+        for side in ("give", "take"):
+            n = sum(moves1.get(side, ([0], 0.0))[0]) - sum(moves0.get(side, ([0], 0.0))[0])
+            took = moves1.get(side, ([0], 0.0))[1] - moves0.get(side, ([0], 0.0))[1]
+            if n:
+                hops[f"move_{side}_ms"] = f"n {n}  mean {took / n * 1000:.0f}"
         task.cancel()
     sample = (list(range(n_subs)) if check <= 0 or check >= n_subs else
               rng.choice(n_subs, size=check, replace=False).tolist())
@@ -261,6 +274,7 @@ async def drive(server: LiveServer, n_objects: int, n_subs: int, k: int, rate: f
         "plan_changes_while_timed": plan_version(server) - plan0,
         "moves_made": len(moves),
         "move_ms_max": round(max(moves, default=0.0) * 1000),
+        "moves_refused": len(refused),
         "cpu_seconds": {n: round(v, 1) for n, v in cpu.items()},
         **{f"redis_top_{i + 1}": f"{name} {usec / 1e6:.2f} s"
            for i, (name, _calls, usec) in enumerate(commands)},
@@ -305,25 +319,35 @@ def knn_reports(server: LiveServer) -> dict[str, int]:
     return counts
 
 
-async def move_back_and_forth(server: LiveServer, every: float, took: list[float]) -> None:
+async def move_back_and_forth(server: LiveServer, every: float, took: list[float],
+                              refused: list[str]) -> None:
     """Every `every` seconds, move a partition of the first worker to the next one and back
     again (the admin API's move, carried out by the coordinator), whole, with its moving
-    objects and kNN registrations; `took`: the time of each request."""
+    objects and kNN registrations; `took`: the time of each move made. A move the workers
+    refuse (409: the plan changed meanwhile, or the giver reached the command after its
+    deadline, busy with its backlog) is asked again after a second, on the plan then;
+    `refused`: the reasons."""
     async with httpx.AsyncClient(base_url=server.base_url, headers=server.admin(),
                                  timeout=60) as client:
         workers = (await client.get("/v1/admin/cluster")).json()["workers"]
         there, back = workers[0]["id"], workers[1]["id"]
+        wait = every
         while True:
-            await asyncio.sleep(every)
+            await asyncio.sleep(wait)
             held = {w["id"]: w["partitions"]
                     for w in (await client.get("/v1/admin/cluster")).json()["workers"]}
             # a partition moved takes a new id: the newest of the worker is the one it got
             part = max(held[there], key=lambda pid: int(pid.lstrip("p")))
             t0 = time.perf_counter()
             r = await client.post("/v1/admin/rebalance", json={"partition": part, "to": back})
+            if r.status_code == 409:
+                refused.append(r.json().get("detail", r.text))
+                wait = 1.0
+                continue
             r.raise_for_status()
             took.append(time.perf_counter() - t0)
             there, back = back, there
+            wait = every
 
 
 def plan_version(server: LiveServer) -> int:

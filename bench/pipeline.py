@@ -97,17 +97,22 @@ def summary_rows(base_url: str) -> dict[str, float]:
     return out
 
 
-def hop_counts(base_url: str) -> dict[str, tuple[list[int], float]]:
+HOP_FAMILIES = ("geoswarm_hop_seconds", "geoswarm_worker_hop_seconds")
+
+
+def hop_counts(base_url: str, families: tuple[str, ...] = HOP_FAMILIES, label: str = "hop"
+               ) -> dict[str, tuple[list[int], float]]:
     """The hops' histograms on the api's /metrics (the api's own and the workers' summed):
-    {hop: (count per bucket, sum of seconds)}."""
+    {hop: (count per bucket, sum of seconds)}; of other histograms of `app.pipeline.hops`'s
+    buckets with `families` and `label` (the workers' moves, say)."""
     text = httpx.get(base_url + "/metrics", timeout=10).text
     cum: dict[str, dict[str, float]] = {}
     sums: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
-        if family.name not in ("geoswarm_hop_seconds", "geoswarm_worker_hop_seconds"):
+        if family.name not in families:
             continue
         for sample in family.samples:
-            hop = sample.labels["hop"]
+            hop = sample.labels[label]
             if sample.name.endswith("_bucket"):
                 le = sample.labels["le"]
                 cum.setdefault(hop, {})[le] = cum.get(hop, {}).get(le, 0.0) + sample.value

@@ -193,6 +193,9 @@ class Executor:
         self.unmatched = 0  # rows not matched: the router's mark by our keyword summary held
         self.summaries_at = 0.0
         self.hops = HopTimes()  # this worker's hops of the live path (app.pipeline.hops)
+        # the time its step spent on partitions changing hands, nothing else processed then:
+        # giving them (`give`), taking a handoff (`take`) or a dead worker's (`takeover`)
+        self.moves = HopTimes()
         self.last_trim = 0.0
         self.must_recover = False  # a step failed: entries of ours may be pending
         self.started = time.time()
@@ -484,6 +487,7 @@ class Executor:
             "archive": {"flushed": self.archiver.flushed, "lag_s": self.archiver.lag_s,
                         "cut": self.archiver.cut},
             "hops": self.hops.doc(),
+            "moves": self.moves.doc(),
         }
         self.redis.hset(names.WORKERS_KEY, self.id, orjson.dumps(info))
 

@@ -192,10 +192,11 @@ class Migration:
             else:
                 ex.merge_knn(held[0], [held[1]], pipe, clear=(token,))
                 notify.setdefault(held[0], set()).add(sid)
+        took = time.perf_counter() - started
+        ex.moves.observe("take", took)
         log.info("worker %s received %s from %s (plan %d): %d subscriptions, %d moving "
                  "objects, in %.0f ms", ex.id, msg.partitions, msg.sender, msg.plan_version,
-                 len(msg.subs), sum(map(len, msg.moving.values())),
-                 (time.perf_counter() - started) * 1000)
+                 len(msg.subs), sum(map(len, msg.moving.values())), took * 1000)
 
     def receive_takeover(self, msg: wire.Takeover, pipe: Any,
                          notify: dict[str, set[str]]) -> None:
@@ -203,6 +204,7 @@ class Migration:
         would have carried is rebuilt from SQL (range subscriptions over them) and the
         latest-position store (moving objects in them); its local kNN lists leave the merged
         lists, which are merged again."""
+        started = time.perf_counter()
         ex = self.ex
         self._load_plan_of(msg.plan_version, "takeover")
         ex.sync_stats()
@@ -220,8 +222,10 @@ class Migration:
             if state.subs:
                 ex.merge_knn(tenant, list(state.subs.values()), pipe, force=True)
                 notify.setdefault(tenant, set()).update(state.subs)
-        log.info("worker %s took over %s of dead worker %s (plan %d)", ex.id, msg.partitions,
-                 msg.dead, msg.plan_version)
+        took = time.perf_counter() - started
+        ex.moves.observe("takeover", took)
+        log.info("worker %s took over %s of dead worker %s (plan %d) in %.0f ms", ex.id,
+                 msg.partitions, msg.dead, msg.plan_version, took * 1000)
 
     def transfer(self, new_plan: Plan) -> dict[str, Any]:
         """Apply a plan that changes only this worker's partitions: hand the partitions given
@@ -315,9 +319,10 @@ class Migration:
             finally:
                 ex.knnreg.forget(pipe)
             ex.notify([], [], [], notify)
+        took = time.perf_counter() - started
+        ex.moves.observe("give", took)
         log.info("worker %s published plan %d: gave %s in %.0f ms", ex.id, new_plan.version,
-                 {w: [p.id for p in ps] for w, ps in by_worker.items()},
-                 (time.perf_counter() - started) * 1000)
+                 {w: [p.id for p in ps] for w, ps in by_worker.items()}, took * 1000)
         return {"version": new_plan.version,
                 "given": {w: [p.to_dict() for p in ps] for w, ps in by_worker.items()},
                 "partitions": [p.to_dict() for p in new_plan.partitions
@@ -326,8 +331,10 @@ class Migration:
     def command(self, cmd: BalanceCommand) -> wire.CommandReply:
         """Carry out a reduce / move / split / merge from the coordinator; what it did."""
         ex = self.ex
-        if cmd.deadline is not None and time.time() > cmd.deadline:
-            raise CommandRefused("deadline passed")
+        if cmd.deadline is not None and (late := time.time() - cmd.deadline) > 0:
+            raise CommandRefused(f"deadline passed: worker {ex.id} reached the command "
+                                 f"{late:.1f} s after it (busy with earlier entries); nothing "
+                                 "was done, retry")
         ex.load_plan()
         if cmd.plan_version != ex.version:
             raise CommandRefused(f"plan version {cmd.plan_version} is stale "

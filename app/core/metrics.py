@@ -103,16 +103,17 @@ REGISTRY.register(DEAD_LETTERS)
 
 class HeartbeatFigures(Collector):
     """What the workers and query runners report in their heartbeats (neither serves
-    /metrics): per worker, its hops of the live path (app.pipeline.hops), the buckets its
-    process flushed to the archive, how late the last one was (seconds after its bucket left
-    the window) and its archive cut, and the rows it did not match by the routers' marks from
-    its keyword summaries; per runner, archive query parts answered, failed and
-    running, and the rows and bytes its Spark scans read; the parts waiting in the job stream.
-    Read before each scrape."""
+    /metrics): per worker, its hops of the live path (app.pipeline.hops), how long partition
+    moves held its step, the buckets its process flushed to the archive, how late the last
+    one was (seconds after its bucket left the window) and its archive cut, and the rows it
+    did not match by the routers' marks from its keyword summaries; per runner, archive query
+    parts answered, failed and running, and the rows and bytes its Spark scans read; the parts
+    waiting in the job stream. Read before each scrape."""
 
     def __init__(self) -> None:
         self.workers: dict[str, dict[str, Any]] = {}
         self.hops: dict[str, dict[str, tuple[list[int], float]]] = {}
+        self.moves: dict[str, dict[str, tuple[list[int], float]]] = {}
         self.runners: dict[str, dict[str, Any]] = {}
         self.queued: int | None = None
 
@@ -124,12 +125,13 @@ class HeartbeatFigures(Collector):
         try:
             workers, runners, queued = await asyncio.wait_for(pipe.execute(), timeout)
         except (redis.exceptions.RedisError, OSError, TimeoutError):
-            self.workers, self.hops, self.runners, self.queued = {}, {}, {}, None
+            self.workers, self.hops, self.moves, self.runners, self.queued = {}, {}, {}, {}, None
             return
         docs = _docs(workers)
         self.workers = {k: {**(doc.get("archive") or {}),
                             "skipped": doc.get("skipped_by_summary")} for k, doc in docs}
         self.hops = {k: read_doc(doc.get("hops")) for k, doc in docs}
+        self.moves = {k: read_doc(doc.get("moves")) for k, doc in docs}
         self.runners = dict(_docs(runners))
         self.queued = int(queued)
 
@@ -175,6 +177,15 @@ class HeartbeatFigures(Collector):
             for hop, (counts, total) in sorted(per_hop.items()):
                 hops.add_metric([hop, w], cumulative(counts), total)
         yield hops
+        moves = HistogramMetricFamily(
+            "geoswarm_worker_move_seconds", "Seconds a worker's step spent on partitions "
+            "changing hands, processing nothing else meanwhile: handing them off (give), "
+            "taking a handoff (take) or a dead worker's partitions (takeover)",
+            labels=["side", "worker"])
+        for w, per_side in sorted(self.moves.items()):
+            for side, (counts, total) in sorted(per_side.items()):
+                moves.add_metric([side, w], cumulative(counts), total)
+        yield moves
         if self.queued is not None:
             yield GaugeMetricFamily("geoswarm_archive_jobs_queued",
                                     "Archive query parts in the job stream", value=self.queued)

@@ -66,3 +66,21 @@ def test_the_live_runs_brute_force_is_exact_everywhere() -> None:
         d = haversine_m(x, y, lon, lat).tolist()
         want = sorted((round(v, 3), ids[i]) for i, v in enumerate(d))[:10]
         assert g == [oid for _, oid in want], (x, y)
+
+
+def test_tiny_live_run_with_moves_reports_what_they_held() -> None:
+    """A partition moved back and forth during the timed part: the lists stay exact, and the
+    report says how many moves were made and how long they held the workers (from /metrics,
+    where the workers' heartbeats put it)."""
+    out = run_bench("knn", "--live", "--objects", "2000", "--subs", "100", "--rate", "400",
+                    "--seconds", "4", "--request", "40", "--registration", "bounded",
+                    "--moves", "1", timeout=240)
+    rows = {line.split()[0]: line.split()[1:] for line in out.stdout.splitlines()[1:]
+            if line.strip()}
+    assert rows["last_lists_checked"] == ["100"] and rows["last_lists_wrong"] == ["0"], (
+        out.stdout)
+    made = int(rows["moves_made"][0])
+    assert made >= 1, out.stdout
+    for side in ("give", "take"):
+        n, count, mean, ms = rows[f"move_{side}_ms"]
+        assert (n, mean) == ("n", "mean") and int(count) >= made and float(ms) > 0, out.stdout

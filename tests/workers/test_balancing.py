@@ -283,12 +283,31 @@ def test_continuous_knn_across_moves(cluster: LiveServer) -> None:
     """kNN state (moving objects' latest positions) travels with a moved partition: after
     moves and splits of the partitions holding the query points, every kNN subscription's
     last pushed list equals the oracle's."""
+    from bench.knn_live import MOVE_SECONDS
+    from bench.pipeline import hop_counts
     from tests.workers.test_pipeline import _knn
+
+    before = hop_counts(cluster.base_url, MOVE_SECONDS, "side")
+    made = []
 
     def between(i: int) -> None:
         move_or_split(cluster, [0.0, 0.3, -1.0][i % 3], [0.0, 0.1, 0.5][i % 3], i, i % 2 == 1)
+        made.append(i)
 
     asyncio.run(_knn(cluster, between))
+    # each move and split handed partitions from one worker to another: the time it held
+    # both workers' steps is on /metrics (from their heartbeats)
+
+    def moves(side: str) -> int:
+        held = hop_counts(cluster.base_url, MOVE_SECONDS, "side").get(side, ([0], 0.0))
+        return sum(held[0]) - sum(before.get(side, ([0], 0.0))[0])
+
+    give_up = time.monotonic() + 15
+    while min(moves("give"), moves("take")) < len(made):
+        assert time.monotonic() < give_up, (len(made), moves("give"), moves("take"))
+        time.sleep(0.2)
+    text = httpx.get(cluster.base_url + "/metrics", timeout=10).text
+    assert 'geoswarm_worker_move_seconds_sum{side="take",worker="w' in text
 
 
 @pytest.mark.parametrize("mode", ["replicated", "history"])
