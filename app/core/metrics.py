@@ -169,23 +169,20 @@ class HeartbeatFigures(Collector):
                 if isinstance(fig.get(field), int | float):
                     m.add_metric([r], float(fig[field]))
             yield m
-        hops = HistogramMetricFamily(
-            "geoswarm_worker_hop_seconds", "Seconds objects took on a worker's hops of the "
-            "live path (queued, match, write), as its heartbeat reports them",
-            labels=["hop", "worker"])
-        for w, per_hop in sorted(self.hops.items()):
-            for hop, (counts, total) in sorted(per_hop.items()):
-                hops.add_metric([hop, w], cumulative(counts), total)
-        yield hops
-        moves = HistogramMetricFamily(
-            "geoswarm_worker_move_seconds", "Seconds a worker's step spent on partitions "
-            "changing hands, processing nothing else meanwhile: handing them off (give), "
-            "taking a handoff (take) or a dead worker's partitions (takeover)",
-            labels=["side", "worker"])
-        for w, per_side in sorted(self.moves.items()):
-            for side, (counts, total) in sorted(per_side.items()):
-                moves.add_metric([side, w], cumulative(counts), total)
-        yield moves
+        histograms = [
+            ("geoswarm_worker_hop_seconds", "hop", self.hops,
+             "Seconds objects took on a worker's hops of the live path (queued, match, "
+             "write), as its heartbeat reports them"),
+            ("geoswarm_worker_move_seconds", "side", self.moves,
+             "Seconds a worker's step spent on partitions changing hands, processing nothing "
+             "else meanwhile: handing them off (give), taking a handoff (take) or a dead "
+             "worker's partitions (takeover)")]
+        for name, label, figures, doc in histograms:
+            h = HistogramMetricFamily(name, doc, labels=[label, "worker"])
+            for w, held in sorted(figures.items()):
+                for part, (counts, total) in sorted(held.items()):
+                    h.add_metric([part, w], cumulative(counts), total)
+            yield h
         if self.queued is not None:
             yield GaugeMetricFamily("geoswarm_archive_jobs_queued",
                                     "Archive query parts in the job stream", value=self.queued)
