@@ -1025,10 +1025,17 @@ class Executor:
         stream = stream or self.stream
         log.error("worker %s: entry %s of %s to the dead-letter stream: %s", self.id, eid,
                   stream, why)
-        self.redis.xadd(names.DEAD_LETTER, {b"stream": stream.encode(), b"id": eid,
-                                        b"why": why.encode(), **fields}, maxlen=100_000)
-        self.redis.xack(stream, names.GROUP, eid)
-        self.redis.incr(names.DEAD_LETTER_COUNT)
+        # Counted, dead-lettered and acknowledged in one transaction; on a Redis Cluster (the
+        # keys lie in different slots) one after the other, counted first. Either way whoever
+        # finds the dead letter finds it counted (the count was incremented after the entry
+        # was listed, and a reader of both could see it listed and not counted).
+        pipe = self.redis if self.cluster else self.redis.pipeline(transaction=True)
+        pipe.incr(names.DEAD_LETTER_COUNT)
+        pipe.xadd(names.DEAD_LETTER, {b"stream": stream.encode(), b"id": eid,
+                                      b"why": why.encode(), **fields}, maxlen=100_000)
+        pipe.xack(stream, names.GROUP, eid)
+        if pipe is not self.redis:
+            pipe.execute()
 
     def _trim(self, now: float) -> None:
         """Trim the worker stream below the oldest pending entry (never what is pending) and
