@@ -10,6 +10,7 @@ Cluster the relay goes in waves, one node's run of groups at a time (`Relayer.wa
 from __future__ import annotations
 
 import json
+import secrets
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -35,6 +36,9 @@ from workers.failover import FAILOVER_SCRIPT
 RECEIVERS = ["w1", "w2"]
 APPEND = "return redis.call('XADD', KEYS[1], '*', 'm', ARGV[1])"
 KNN_HASH = names.knn_key("s1")
+# The plan's channel, of this run alone: channels are the server's, not a database's, and the
+# Redis 7 variant shares its server with the other tests' clusters and their plan changes.
+CHANNEL = f"{names.PLAN_CHANNEL}:{secrets.token_hex(4)}"
 
 
 @pytest.fixture
@@ -53,7 +57,7 @@ def stage(client: redis.Redis, expected: int = 5, version: int = 6) -> Any:
     handoffs = [(names.worker_stream(w), f"handoff to {w}".encode()) for w in RECEIVERS]
     holds = [(KNN_HASH, "_h:6:w1", "3")]
     keys, args = plan_stage_args(expected, json.dumps({"version": version}), version, 1.5,
-                                 names.PLAN_CHANNEL, handoffs, holds)
+                                 CHANNEL, handoffs, holds)
     return client.register_script(PLAN_STAGE_SCRIPT)(keys=keys, args=args)
 
 
@@ -70,7 +74,7 @@ def handoffs(client: redis.Redis) -> list[list[bytes]]:
 def test_handoffs_are_written_before_the_plan_and_a_cut_relay_finishes_once(
         client: redis.Redis) -> None:
     pubsub = client.pubsub()
-    pubsub.subscribe(names.PLAN_CHANNEL)
+    pubsub.subscribe(CHANNEL)
     assert pubsub.get_message(timeout=1)["type"] == "subscribe"  # type: ignore[index]
     assert stage(client)
     relayer = Relayer(client, [PLAN_ACTIVATE_SCRIPT])
@@ -127,7 +131,7 @@ def failover_refused(client: redis.Redis) -> bool:
     keys = [names.LEASE_KEY, names.PLAN_KEY, names.PLAN_HISTORY, names.fence_key("w0"),
             names.adopter_key("w0"), names.adopted_key("w1"), names.PLAN_PENDING,
             names.worker_stream("w1")]
-    args = ["coord", "5", "", json.dumps({"version": 6}), "6", names.PLAN_CHANNEL,
+    args = ["coord", "5", "", json.dumps({"version": 6}), "6", CHANNEL,
             '{"version":6}', "1000", "w0", "w1", "takeover"]
     return client.register_script(FAILOVER_SCRIPT)(keys=keys, args=args) == 0
 
