@@ -39,6 +39,7 @@ from selenium.common.exceptions import (  # noqa: E402
 from selenium.webdriver.chrome.service import Service  # noqa: E402
 from selenium.webdriver.common.action_chains import ActionChains  # noqa: E402
 from selenium.webdriver.common.by import By  # noqa: E402
+from selenium.webdriver.common.keys import Keys  # noqa: E402
 from selenium.webdriver.support.ui import Select, WebDriverWait  # noqa: E402
 
 CHROME_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -225,9 +226,13 @@ def test_dashboard_in_headless_chromium(cluster: LiveServer, browser: Any, tmp_p
     shot("02-loaded")
 
     # --- PUT /v1/admin/balancer: period and beta, then the enable toggle
+    # As a user edits a field: focused, its text selected and typed over. (Selenium's clear()
+    # neither focuses it nor fires `input`: a periodic refresh between it and the typing put the
+    # old value back, and the typing went after it: 422, beta over 1000, on a slow machine.)
     for field, value in (("bal-period", "3"), ("bal-beta", "25")):
         box = d.find_element(By.ID, field)
-        box.clear()
+        box.click()
+        box.send_keys(Keys.CONTROL, "a")
         box.send_keys(value)
     d.find_element(By.ID, "bal-save").click()
     wait("the settings are saved", lambda: "save balancer settings: done" in text("message"))
