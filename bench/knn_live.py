@@ -32,6 +32,7 @@ from bench.pipeline import (
     cpu_seconds,
     hop_breakdown,
     hop_counts,
+    observed,
     reset_redis_stats,
     subscribe,
     top_commands,
@@ -229,8 +230,7 @@ async def drive(server: LiveServer, n_objects: int, n_subs: int, k: int, rate: f
         # many, and their mean (a few moves: the histogram's buckets say little more)
         moves1 = hop_counts(server.base_url, MOVE_SECONDS, "side")
         for side in ("give", "take"):
-            n = sum(moves1.get(side, ([0], 0.0))[0]) - sum(moves0.get(side, ([0], 0.0))[0])
-            took = moves1.get(side, ([0], 0.0))[1] - moves0.get(side, ([0], 0.0))[1]
+            n, took = observed(moves0, moves1, side)
             if n:
                 hops[f"move_{side}_ms"] = f"n {n}  mean {took / n * 1000:.0f}"
         task.cancel()

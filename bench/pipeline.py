@@ -127,6 +127,14 @@ def hop_counts(base_url: str, families: tuple[str, ...] = HOP_FAMILIES, label: s
     return out
 
 
+def observed(before: dict[str, tuple[list[int], float]],
+             after: dict[str, tuple[list[int], float]], hop: str) -> tuple[int, float]:
+    """How many measurements of `hop` two readings of `hop_counts` are apart, and their
+    seconds."""
+    (a, a_s), (b, b_s) = after.get(hop, ([0], 0.0)), before.get(hop, ([0], 0.0))
+    return sum(a) - sum(b), a_s - b_s
+
+
 def hop_breakdown(before: dict[str, tuple[list[int], float]],
                   after: dict[str, tuple[list[int], float]], short: bool = False
                   ) -> dict[str, str]:

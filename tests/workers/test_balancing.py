@@ -284,7 +284,7 @@ def test_continuous_knn_across_moves(cluster: LiveServer) -> None:
     moves and splits of the partitions holding the query points, every kNN subscription's
     last pushed list equals the oracle's."""
     from bench.knn_live import MOVE_SECONDS
-    from bench.pipeline import hop_counts
+    from bench.pipeline import hop_counts, observed
     from tests.workers.test_pipeline import _knn
 
     before = hop_counts(cluster.base_url, MOVE_SECONDS, "side")
@@ -299,8 +299,7 @@ def test_continuous_knn_across_moves(cluster: LiveServer) -> None:
     # both workers' steps is on /metrics (from their heartbeats)
 
     def moves(side: str) -> int:
-        held = hop_counts(cluster.base_url, MOVE_SECONDS, "side").get(side, ([0], 0.0))
-        return sum(held[0]) - sum(before.get(side, ([0], 0.0))[0])
+        return observed(before, hop_counts(cluster.base_url, MOVE_SECONDS, "side"), side)[0]
 
     give_up = time.monotonic() + 15
     while min(moves("give"), moves("take")) < len(made):

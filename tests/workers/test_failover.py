@@ -23,7 +23,7 @@ from app.core.redis import EmbeddedRedis, sync_client
 from app.geo.index import Grid, Partition, Plan, initial_plan
 from app.pipeline import names
 from bench.knn_live import MOVE_SECONDS
-from bench.pipeline import hop_counts
+from bench.pipeline import hop_counts, observed
 from tests.conftest import LiveServer, auth
 from tests.workers.harness import Listener, run_on_cluster, subscribe_listening, wait_for
 from tests.workers.oracle import Oracle, knn_oracle, received_matches
@@ -165,8 +165,8 @@ async def _scenario(server: LiveServer, knn: bool = True, counts: bool = True) -
                            ).json()["rounds"]
         assert any(r.get("action") == "failover" for r in rounds), rounds
         # how long taking w1's partitions over held the survivors: on /metrics (heartbeats)
-        assert await wait_for(lambda: sum(hop_counts(server.base_url, MOVE_SECONDS, "side")
-                                          .get("takeover", ([0], 0.0))[0]) > 0, 15)
+        assert await wait_for(lambda: observed(
+            {}, hop_counts(server.base_url, MOVE_SECONDS, "side"), "takeover")[0] > 0, 15)
 
         # 2. w1 returns: its fence back, the adoption over; a partition moved to it works
         server.start_worker("w1")
