@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import inspect
 import logging
 import math
 import weakref
@@ -23,6 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from app.api import direct
 from app.api.deps import authenticate_request
 from app.api.openapi import TENANT, errors, install_openapi
 from app.api.routes import admin, dashboard, health, keys, objects, queries, stream, subscriptions
@@ -67,7 +67,8 @@ HTTP_ERRORS = Counter("geoswarm_http_errors_total", "HTTP error responses", ["st
 class BodyLimit:
     """Reject request bodies over max_body_bytes with 413 before the app reads them, and
     authenticate a /v1 request that has a body before reading any of it: a missing or unknown
-    key costs no upload of up to max_body_bytes (the route's dependency reuses the principal)."""
+    key costs no upload of up to max_body_bytes (the route's dependency reuses the principal).
+    A publish or a snapshot query is then answered here (`app.api.direct`)."""
 
     def __init__(self, app: ASGIApp, max_bytes: int) -> None:
         self.app = app
@@ -90,7 +91,8 @@ class BodyLimit:
                 has_body = has_body or length > 0
             elif name == b"transfer-encoding":
                 has_body = True
-        if has_body and _authenticated_route(scope):
+        authenticated = has_body and _authenticated_route(scope)
+        if authenticated:
             refusal = await _authenticate_first(scope)
             if refusal is not None:
                 await refusal(scope, receive, send)
@@ -110,6 +112,14 @@ class BodyLimit:
             chunks.append(chunk)
             more = message.get("more_body", False)
         body = b"".join(chunks)
+        endpoint = direct.endpoint_of(scope["method"], scope["path"]) if authenticated else None
+        if endpoint is not None:
+            request = Request(scope)
+            request._body = body  # (Starlette's cache of the body read)
+            response = await direct.answer(endpoint, request, body)
+            if response is not None:
+                await response(scope, receive, send)
+                return
         sent = False
 
         async def replay() -> Message:
@@ -146,12 +156,7 @@ async def _authenticate_first(scope: Scope) -> Response | None:
     try:
         await authenticate_request(request, app.state.gs)
     except Exception as exc:
-        for cls in type(exc).__mro__:
-            handler = app.exception_handlers.get(cls)
-            if handler is not None:
-                response = handler(request, exc)
-                return await response if inspect.isawaitable(response) else response
-        raise
+        return await direct.handled(app, request, exc)
     return None
 
 
