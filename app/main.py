@@ -68,7 +68,7 @@ class BodyLimit:
     """Reject request bodies over max_body_bytes with 413 before the app reads them, and
     authenticate a /v1 request that has a body before reading any of it: a missing or unknown
     key costs no upload of up to max_body_bytes (the route's dependency reuses the principal).
-    A publish or a snapshot query is then answered here (`app.api.direct`)."""
+    The hot routes are answered here (`app.api.direct`)."""
 
     def __init__(self, app: ASGIApp, max_bytes: int) -> None:
         self.app = app
@@ -91,6 +91,10 @@ class BodyLimit:
                 has_body = has_body or length > 0
             elif name == b"transfer-encoding":
                 has_body = True
+        reading = None if has_body else direct.reader_of(scope["method"], scope["path"])
+        if reading is not None:
+            await (await direct.read(*reading, Request(scope)))(scope, receive, send)
+            return
         authenticated = has_body and _authenticated_route(scope)
         if authenticated:
             refusal = await _authenticate_first(scope)

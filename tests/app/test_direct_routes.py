@@ -1,5 +1,6 @@
-"""`app.api.direct`: a publish and a snapshot query answered without FastAPI's routing answer
-exactly as their routes do. Every request below is sent twice to the in-process api (with a
+"""`app.api.direct`: a publish, a snapshot query and the two polled reads (a moving object's
+latest record, a query's outcome) answered without FastAPI's routing answer exactly as their
+routes do. Every request below is sent twice to the in-process api (with a
 worker), once with the direct endpoints and once with them taken out, and the two answers
 compared: status, content type, Retry-After, and the JSON body (but for what differs from one
 call to the next: query ids, the ids given to objects without one). Valid requests must have
@@ -37,20 +38,26 @@ def api(inprocess_worker: InProcessServer) -> Iterator[Api]:
 
 
 @pytest.fixture
-def counted(monkeypatch: pytest.MonkeyPatch) -> dict[tuple[str, str], int]:
-    """The direct endpoints, counting the requests each answered."""
-    calls = dict.fromkeys(direct.ENDPOINTS, 0)
+def counted(monkeypatch: pytest.MonkeyPatch) -> dict[Any, int]:
+    """The direct endpoints and readers, counting the requests each answered (a reader also
+    when it raised: the app's handler answers then, as for the route)."""
+    calls: dict[Any, int] = dict.fromkeys([*direct.ENDPOINTS, *direct.READERS], 0)
 
-    def counting(key: tuple[str, str], endpoint: direct.Endpoint) -> direct.Endpoint:
+    def counting(key: Any, endpoint: Any) -> Any:
         async def call(*args: Any) -> Any:
-            response = await endpoint(*args)
-            if response is not None:
-                calls[key] += 1
-            return response
+            response = None
+            try:
+                response = await endpoint(*args)
+                return response
+            finally:
+                if response is not None or key in direct.READERS:
+                    calls[key] += 1
         return call
 
     monkeypatch.setattr(direct, "ENDPOINTS", {
         key: counting(key, endpoint) for key, endpoint in direct.ENDPOINTS.items()})
+    monkeypatch.setattr(direct, "READERS", {
+        key: counting(key, reader) for key, reader in direct.READERS.items()})
     return calls
 
 
@@ -59,6 +66,7 @@ def both(monkeypatch: pytest.MonkeyPatch, send: Any) -> tuple[httpx.Response, ht
     direct_answer = send()
     with monkeypatch.context() as m:
         m.setattr(direct, "ENDPOINTS", {})
+        m.setattr(direct, "READERS", {})
         routed = send()
     return direct_answer, routed
 
@@ -152,3 +160,32 @@ def test_errors_raised_by_a_direct_endpoint_use_the_apps_handlers(
     r = assert_same(monkeypatch, lambda: api.client.post("/v1/objects", headers=bad,
                                                          json={"objects": OBJECTS}))
     assert r.status_code == 401
+
+
+def test_the_polled_reads_are_answered_directly_as_by_their_routes(
+        api: Api, counted: dict[Any, int], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A moving object's latest record (found, unknown, an id that needs escaping, one with a
+    slash, which no route serves), a query's outcome (done, unknown, not an id), and either
+    without a valid key."""
+    assert api.post("/v1/objects", {"objects": [
+        *OBJECTS, {"id": "cab 2", **PLACE, "props": {"seats": 4}}]}).status_code == 202
+    done = api.post("/v1/queries", {"type": "range", "bbox": BBOX})
+    query_id = done.json()["id"]
+    for path, status in [("/v1/objects/cab-1", 200), ("/v1/objects/nobody", 404),
+                         ("/v1/objects/cab%202", 200), ("/v1/objects/a%2Fb", 404),
+                         (f"/v1/queries/{query_id}", 200),
+                         ("/v1/queries/q0", 404), ("/v1/queries/" + "x" * 300, 404)]:
+        r = assert_same(monkeypatch, lambda path=path: api.get(path))
+        assert r.status_code == status, (path, r.text)
+    assert api.get(f"/v1/queries/{query_id}").json()["results"] == done.json()["results"]
+    assert counted["/v1/objects/"] == 3 and counted["/v1/queries/"] == 4
+    bad = httpx.Headers({"authorization": "Bearer nope"})
+    for path in ("/v1/objects/cab-1", f"/v1/queries/{query_id}"):
+        r = assert_same(monkeypatch, lambda path=path: api.client.get(path, headers=bad))
+        assert r.status_code == 401
+    # a path the routes do not serve, and a HEAD, are the framework's
+    for method, path in [("GET", "/v1/objects/a/b"), ("GET", "/v1/objects/"),
+                         ("HEAD", "/v1/objects/cab-1")]:
+        direct_answer, routed = both(
+            monkeypatch, lambda method=method, path=path: api.client.request(method, path))
+        assert direct_answer.status_code == routed.status_code, (method, path)
