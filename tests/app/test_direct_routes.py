@@ -9,7 +9,6 @@ gone through the direct endpoints (counted), invalid ones are answered as by the
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -18,8 +17,8 @@ import pytest
 from app.api import direct
 from tests.app.httpapi import NDJSON, Api
 from tests.app.test_queries_validation import BAD_QUERIES, BBOX, QUERIES
+from tests.app.test_queries_validation import api as api  # the fixture: a fresh tenant
 from tests.app.test_validation import BAD_OBJECT_FIELDS
-from tests.conftest import InProcessServer
 
 PLACE = {"lon": -73.985, "lat": 40.758}
 # objects inside the test queries' region, each kind of field present
@@ -28,13 +27,6 @@ OBJECTS = [
     {"lon": -73.99, "lat": 40.75, "keywords": ["earthquake", "tokyo"], "props": {"n": 1}},
     {"lon": -73.95, "lat": 40.79, "keywords": ["coffee"]},
 ]
-
-
-@pytest.fixture
-def api(inprocess_worker: InProcessServer) -> Iterator[Api]:
-    a = Api(inprocess_worker)
-    yield a
-    a.close()
 
 
 @pytest.fixture
@@ -107,12 +99,19 @@ def test_an_invalid_publish_is_answered_as_by_its_route(
     assert r.status_code == 422
 
 
-@pytest.mark.parametrize("body", [b"", b"not json", b'{"objects": []}', b'{"objects": 1}',
-                                  b'{"objects": [{"lon": NaN, "lat": 1}]}', b"[]",
-                                  b'{"objects": [{"lon": 1, "lat": 1}], "x": 1}'])
-def test_a_malformed_publish_is_answered_as_by_its_route(
-        api: Api, monkeypatch: pytest.MonkeyPatch, body: bytes) -> None:
-    r = assert_same(monkeypatch, lambda: api.raw("/v1/objects", body))
+MALFORMED = [
+    *(("/v1/objects", body) for body in [
+        b"", b"not json", b'{"objects": []}', b'{"objects": 1}', b"[]",
+        b'{"objects": [{"lon": NaN, "lat": 1}]}', b'{"objects": [{"lon": 1, "lat": 1}], "x": 1}']),
+    *(("/v1/queries", body) for body in [
+        b"not json", b'{"type": "count"}}', b"[1]", b'{"type": "count", "bbox": [NaN, 0, 1, 1]}']),
+]
+
+
+@pytest.mark.parametrize(("path", "body"), MALFORMED)
+def test_a_malformed_body_is_answered_as_by_its_route(
+        api: Api, monkeypatch: pytest.MonkeyPatch, path: str, body: bytes) -> None:
+    r = assert_same(monkeypatch, lambda: api.raw(path, body))
     assert r.status_code in (400, 422)
 
 
@@ -139,14 +138,6 @@ def test_an_invalid_query_is_answered_as_by_its_route(
     r = assert_same(monkeypatch, lambda: api.post("/v1/queries", body))
     assert r.status_code == 422
     assert counted[("POST", "/v1/queries")] == 0  # the route answered
-
-
-@pytest.mark.parametrize("body", [b"not json", b'{"type": "count"}}', b"[1]",
-                                  b'{"type": "count", "bbox": [NaN, 0, 1, 1]}'])
-def test_a_malformed_query_is_answered_as_by_its_route(
-        api: Api, monkeypatch: pytest.MonkeyPatch, body: bytes) -> None:
-    r = assert_same(monkeypatch, lambda: api.raw("/v1/queries", body))
-    assert r.status_code in (400, 422)
 
 
 def test_errors_raised_by_a_direct_endpoint_use_the_apps_handlers(
