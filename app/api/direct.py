@@ -73,11 +73,13 @@ async def get_query(request: Request, state: AppState, principal: Principal, que
     return await queries.get_query(query_id, state, principal)
 
 
-# GET <prefix><one path segment>, as the routes' `{object_id}` and `{query_id}` match it
+# GET <prefix><the path's parameter>, as the routes match it: an object id is the rest of the
+# path (`{object_id:path}`: object ids may hold a slash), a query id one segment
 READERS: dict[str, Reader] = {
     "/v1/objects/": get_object,
     "/v1/queries/": get_query,
 }
+WHOLE_REST = frozenset({"/v1/objects/"})
 
 
 def endpoint_of(method: str, path: str) -> Endpoint | None:
@@ -91,7 +93,8 @@ def reader_of(method: str, path: str) -> tuple[Reader, str] | None:
     for prefix, reader in READERS.items():
         if path.startswith(prefix):
             param = path[len(prefix):]
-            return (reader, param) if param and "/" not in param else None
+            whole = prefix in WHOLE_REST
+            return (reader, param) if param and (whole or "/" not in param) else None
     return None
 
 

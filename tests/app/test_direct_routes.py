@@ -155,27 +155,32 @@ def test_errors_raised_by_a_direct_endpoint_use_the_apps_handlers(
 
 def test_the_polled_reads_are_answered_directly_as_by_their_routes(
         api: Api, counted: dict[Any, int], monkeypatch: pytest.MonkeyPatch) -> None:
-    """A moving object's latest record (found, unknown, an id that needs escaping, one with a
-    slash, which no route serves), a query's outcome (done, unknown, not an id), and either
-    without a valid key."""
+    """A moving object's latest record (found, unknown, an id that needs escaping, ids with a
+    slash, escaped or not), a query's outcome (done, unknown, not an id), and either without
+    a valid key."""
     assert api.post("/v1/objects", {"objects": [
-        *OBJECTS, {"id": "cab 2", **PLACE, "props": {"seats": 4}}]}).status_code == 202
+        *OBJECTS, {"id": "cab 2", **PLACE, "props": {"seats": 4}},
+        {"id": "fleet/7", **PLACE}, {"id": "depot/", **PLACE}]}).status_code == 202
     done = api.post("/v1/queries", {"type": "range", "bbox": BBOX})
     query_id = done.json()["id"]
     for path, status in [("/v1/objects/cab-1", 200), ("/v1/objects/nobody", 404),
                          ("/v1/objects/cab%202", 200), ("/v1/objects/a%2Fb", 404),
+                         ("/v1/objects/fleet/7", 200), ("/v1/objects/fleet%2F7", 200),
+                         ("/v1/objects/depot/", 200), ("/v1/objects/fleet/7/x", 404),
                          (f"/v1/queries/{query_id}", 200),
                          ("/v1/queries/q0", 404), ("/v1/queries/" + "x" * 300, 404)]:
         r = assert_same(monkeypatch, lambda path=path: api.get(path))
         assert r.status_code == status, (path, r.text)
+    assert api.get("/v1/objects/fleet%2F7").json()["id"] == "fleet/7"
+    assert api.get("/v1/objects/depot/").json()["id"] == "depot/"
     assert api.get(f"/v1/queries/{query_id}").json()["results"] == done.json()["results"]
-    assert counted["/v1/objects/"] == 3 and counted["/v1/queries/"] == 4
+    assert counted["/v1/objects/"] == 10 and counted["/v1/queries/"] == 4
     bad = httpx.Headers({"authorization": "Bearer nope"})
     for path in ("/v1/objects/cab-1", f"/v1/queries/{query_id}"):
         r = assert_same(monkeypatch, lambda path=path: api.client.get(path, headers=bad))
         assert r.status_code == 401
     # a path the routes do not serve, and a HEAD, are the framework's
-    for method, path in [("GET", "/v1/objects/a/b"), ("GET", "/v1/objects/"),
+    for method, path in [("GET", "/v1/queries/a/b"), ("GET", "/v1/objects/"),
                          ("HEAD", "/v1/objects/cab-1")]:
         direct_answer, routed = both(
             monkeypatch, lambda method=method, path=path: api.client.request(method, path))

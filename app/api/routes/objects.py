@@ -150,10 +150,11 @@ async def publish(request: Request, state: StateDep, principal: TenantDep) -> Ob
     return ObjectsAccepted(accepted=batch.size, ids=batch.ids)
 
 
-@router.get("/{object_id}", response_model=ObjectOut, responses=errors(404, *TENANT, descriptions={
-    404: "No moving object with this id in the tenant."}))
+@router.get("/{object_id:path}", response_model=ObjectOut, responses=errors(
+    404, *TENANT, descriptions={404: "No moving object with this id in the tenant."}))
 async def get_object(object_id: str, state: StateDep, principal: TenantDep) -> ObjectOut:
-    """The latest record of a moving object."""
+    """The latest record of a moving object (an id with a slash is read as it is, `%2F`
+    escaped or not)."""
     rec = None if state.router is None else await state.router.latest(principal.tenant, object_id)
     if rec is None:
         raise NotFound(f"no moving object with id {object_id!r}")
