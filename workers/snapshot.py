@@ -154,6 +154,18 @@ def _ascending(values: Any, limit: int) -> Iterator[int]:
         yield from np.argsort(values, kind="stable").tolist()
 
 
+def _up_to_kth(values: Any, limit: int) -> I64:
+    """The positions of the values up to the `limit`-th smallest, ties with it included (every
+    position if there are no more than `limit`), in ascending order of value (so that the
+    caller's sort of their rows is a pass over sorted runs): what `_ascending` gives until
+    the first value past the limit-th, when every value is accepted."""
+    if values.size > limit:
+        kth = np.partition(values, limit - 1)[limit - 1]
+        near = np.flatnonzero(values <= kth)
+        return near[np.argsort(values[near], kind="stable")]
+    return np.argsort(values, kind="stable")
+
+
 def _flattened(found: list[tuple[Chunk, I64]]) -> tuple[I64, I64]:
     """Every row of the chunks' row lists in one array, and beside each, the position of its
     chunk in `found`."""
@@ -181,18 +193,26 @@ def _newest(records: TenantRecords | None, part: wire.QueryPart, worker: str
     # sorted as the aggregator merges: (newest first, id, latest arrival first)
     taken: list[tuple[float, str, float, Row]] = []
     more = False
-    for j in _ascending(age, limit):
-        chunk, i = found[which[j]][0], int(row[j])
-        if part.query.latest and not _accepts(records, part, NO_TERMS, chunk, i):
-            continue
-        a = float(age[j])
-        if limit and len(taken) >= limit and a > taken[limit - 1][0]:
-            # older than the list's last (rows come in order of age: so is every row left)
-            more = True
-            break
-        taken.append((a, chunk.batch.ids[i], -float(chunk.at[i]), (chunk, i)))
+    if not part.query.latest:
+        # every row is accepted: those up to the limit-th age, ties included
+        for j in _up_to_kth(age, limit if limit else age.size).tolist():
+            chunk, i = found[which[j]][0], int(row[j])
+            taken.append((float(age[j]), chunk.batch.ids[i], -float(chunk.at[i]), (chunk, i)))
+        more = bool(limit) and age.size > limit
+    else:
+        for j in _ascending(age, limit):
+            chunk, i = found[which[j]][0], int(row[j])
+            if not _accepts(records, part, NO_TERMS, chunk, i):
+                continue
+            a = float(age[j])
+            if limit and len(taken) >= limit and a > taken[limit - 1][0]:
+                # older than the list's last (rows come in order of age: so is every row
+                # left)
+                more = True
+                break
+            taken.append((a, chunk.batch.ids[i], -float(chunk.at[i]), (chunk, i)))
+        more = more or (bool(limit) and len(taken) > limit)
     taken.sort(key=lambda t: t[:3])
-    more = more or (bool(limit) and len(taken) > limit)
     out = [_found(*t[3]) for t in (taken[:limit] if limit else taken)]
     return wire.QueryReply(worker=worker, records=out, truncated=more)
 
@@ -309,8 +329,7 @@ def first_radius(records: TenantRecords, grid: Grid | None, px: float, py: float
     grows until it is sure), only sooner."""
     if grid is None or not records.cell_counts:
         return FIRST_RADIUS_M
-    cx, cy = grid.cells_of([px], [py])
-    cell = int(grid.cell_id(cx.astype(np.int64), cy.astype(np.int64))[0])
+    cell = grid.cell_of_point(px, py)
     n = sum(counts.get(cell, 0) for counts in records.cell_counts.values())
     if not n:
         return FIRST_RADIUS_M
@@ -368,6 +387,15 @@ def _take_nearest(records: TenantRecords, part: wire.QueryPart, wanted: frozense
     `row[j]` of chunk `chunks[which[j]]` at `dist[j]`)."""
     # sorted as the aggregator merges: (distance, id, newest record first, latest arrival)
     taken: list[tuple[float, str, float, float, Row]] = []
+    if not wanted and not part.query.latest:
+        # every candidate is accepted: those up to the limit-th distance, ties included, and
+        # more lie beyond (or among the ties) when there are more candidates than the limit
+        for j in _up_to_kth(dist, limit).tolist():
+            chunk, i = chunks[which[j]], int(row[j])
+            taken.append((float(dist[j]), chunk.batch.ids[i], -chunk.batch.ts[i],
+                          -float(chunk.at[i]), (chunk, i)))
+        taken.sort(key=lambda t: t[:4])
+        return taken, dist.size > limit
     more = False
     for j in _ascending(dist, limit):
         d = float(dist[j])

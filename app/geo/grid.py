@@ -61,6 +61,13 @@ class Grid:
             self._row(np.asarray(lat, dtype=np.float64)),
         )
 
+    def cell_of_point(self, lon: float, lat: float) -> int:
+        """The cell id of one point, as `cells_of` and `cell_id` give it, without arrays (a
+        single point's arrays cost more than the arithmetic)."""
+        cx = min(max(math.floor((lon - self.bounds[0]) / self.cell_width), 0), self.nx - 1)
+        cy = min(max(math.floor((lat - self.bounds[1]) / self.cell_height), 0), self.ny - 1)
+        return int(cy * self.nx + cx)
+
     def cell_id(self, cx: Any, cy: Any) -> Any:
         """Row-major cell id: cy * nx + cx (works on ints and numpy arrays)."""
         return cy * self.nx + cx

@@ -71,3 +71,17 @@ def test_scalar_cell_range_equals_vectorised(vals: list[float]) -> None:
     vec = g.cell_ranges(b)
     for row, want in zip(b.tolist(), vec.tolist(), strict=True):
         assert g.cell_range((row[0], row[1], row[2], row[3])) == tuple(want)
+
+
+@given(
+    st.one_of(st.floats(-200, 200), st.sampled_from([-180.0, 180.0, 0.0, 0.36, -179.64])),
+    st.one_of(st.floats(-100, 100), st.sampled_from([-90.0, 90.0, 0.0, 0.18, 45.0])),
+    st.sampled_from([(1000, 1000), (7, 3), (360, 180)]),
+)
+def test_the_cell_of_one_point_is_the_cell_of_the_arrays(lon: float, lat: float,
+                                                          shape: tuple[int, int]) -> None:
+    """`cell_of_point` (scalar arithmetic) gives the cell `cells_of` and `cell_id` give, on
+    borders and outside the bounds too."""
+    g = Grid(nx=shape[0], ny=shape[1])
+    cx, cy = g.cells_of([lon], [lat])
+    assert g.cell_of_point(lon, lat) == int(g.cell_id(int(cx[0]), int(cy[0])))
