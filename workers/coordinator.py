@@ -28,7 +28,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from app.core.config import Settings
 from app.core.db import make_engine, make_sessionmaker, session_scope
-from app.core.redis import is_cluster, sync_client
+from app.core.redis import db_of, is_cluster, sync_client
 from app.geo.balance import Decision, DecisionPointer, mergeable
 from app.geo.index import Partition, Plan
 from app.models import BalancerRound
@@ -424,11 +424,13 @@ class Coordinator:
         count = sum(p.worker == w for p in plan.partitions)
         new, given = failover_plan(plan, w, live, iter(self.new_ids(plan, count)))
         if self.relayer is None:
-            keys, args = failover_args(names.LEASE_KEY, self.id, plan, new, fence, w, given, now)
+            keys, args = failover_args(names.LEASE_KEY, self.id, plan, new, fence, w, given, now,
+                                       db_of(self.redis))
             applied = bool(int(self._failover(keys=keys, args=args)))
         else:
             keys, args = failover_stage_args(names.LEASE_KEY, self.id, plan, new, fence,
-                                             starts.get(w.encode()), w, given, now)
+                                             starts.get(w.encode()), w, given, now,
+                                             db_of(self.redis))
             applied = bool(self._failover_stage(keys=keys, args=args))
             if applied:
                 self.relayer.relay_all(names.CONTROL_OUTBOX)

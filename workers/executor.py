@@ -23,7 +23,7 @@ import redis
 from app.core.collector import WORKER_YOUNG, Collector
 from app.core.config import Settings
 from app.core.db import make_engine, make_sessionmaker
-from app.core.redis import is_cluster, run_script, worker_client
+from app.core.redis import db_of, is_cluster, run_script, worker_client
 from app.geo import balance
 from app.geo.geometry import circle_bbox
 from app.geo.index import GlobalIndex, Partition
@@ -185,6 +185,7 @@ class Executor:
         # sending it again would write its matches twice. A failed call ends the step instead,
         # and the entry, still pending, is replayed against its done-marker (`_recover_pending`).
         self.redis: Any = worker_client(redis_url)
+        self.db = db_of(self.redis)  # its channels' (`names.channel`)
         self.stream = names.worker_stream(worker_id)
         self.index: GlobalIndex | None = None
         self.stopping = 0
@@ -769,11 +770,11 @@ class Executor:
         refused: its plan is no longer the stored one)."""
         now = time.time()
         if self.relayer is None:
-            keys, args = plan_cas_args(expected, plan_json, version, now, names.PLAN_CHANNEL,
-                                       handoffs, holds)
+            keys, args = plan_cas_args(expected, plan_json, version, now,
+                                       names.channel(names.PLAN_CHANNEL, self.db), handoffs, holds)
             return bool(self._plan_cas(keys=keys, args=args))
-        keys, args = plan_stage_args(expected, plan_json, version, now, names.PLAN_CHANNEL,
-                                     handoffs, holds)
+        keys, args = plan_stage_args(expected, plan_json, version, now,
+                                     names.channel(names.PLAN_CHANNEL, self.db), handoffs, holds)
         staged = self._plan_stage(keys=keys, args=args)
         self.relayer.relay_all(names.CONTROL_OUTBOX)
         return bool(staged)
@@ -988,6 +989,7 @@ class Executor:
         the oldest batch of the step was appended, for the hubs' hops). `chunks`: the script
         calls of each write (`history_chunks`), `replies` theirs."""
         written_at = time.time()
+        notify_channel = names.channel(names.NOTIFY_CHANNEL, self.db)
         pipe = self.redis.pipeline(transaction=False)
         it = iter(replies)
         for (tenant, bucket, sub_ids, refs, stored), calls in zip(writes, chunks, strict=True):
@@ -1000,12 +1002,12 @@ class Executor:
                     entries.append((sid, reply[2 * j].decode(), reply[2 * j + 1].decode(),
                                     refs[a + j]))
             # (a cluster's pipeline refuses `publish`, not the command)
-            pipe.execute_command("PUBLISH", names.NOTIFY_CHANNEL, wire.encode_notification(
+            pipe.execute_command("PUBLISH", notify_channel, wire.encode_notification(
                 wire.HistoryAppended(
                     tenant=tenant, bucket=bucket, entries=entries, records=stored,
                     sent_at=sent_at, written_at=written_at)))
         for tenant, subs in notify.items():
-            pipe.execute_command("PUBLISH", names.NOTIFY_CHANNEL, wire.encode_notification(
+            pipe.execute_command("PUBLISH", notify_channel, wire.encode_notification(
                 wire.SubsChanged(tenant=tenant, subs=sorted(subs))))
         pipe.execute()
 

@@ -112,9 +112,10 @@ return redis.call('INCR', KEYS[1])
 
 def failover_stage_args(lease_key: str, holder: str, plan: Plan, new: Plan,
                         fence: bytes | None, starts: bytes | None, dead: str,
-                        given: dict[str, list[str]], now: float
+                        given: dict[str, list[str]], now: float, db: int = 0
                         ) -> tuple[list[str], list[Any]]:
-    """KEYS and ARGV of FAILOVER_STAGE_SCRIPT: the change FAILOVER_SCRIPT makes in one step."""
+    """KEYS and ARGV of FAILOVER_STAGE_SCRIPT: the change FAILOVER_SCRIPT makes in one step
+    (`db` as for `failover_args`)."""
     adopter = next(iter(given))
     plan_json = new.to_json()
     ops = [op("EVAL", script_sha(FENCE_TAKE_SCRIPT), 2, names.fence_key(dead),
@@ -122,7 +123,7 @@ def failover_stage_args(lease_key: str, holder: str, plan: Plan, new: Plan,
            op("SADD", names.adopted_key(adopter), dead)]
     ops += [op("XADD", names.worker_stream(w), "*", "m", _takeover(new, dead, adopter, pids))
             for w, pids in given.items()]
-    ops.append(activate_op(plan_json, new.version, now))
+    ops.append(activate_op(plan_json, new.version, now, names.channel(names.PLAN_CHANNEL, db)))
     keys = [lease_key, names.PLAN_KEY, names.PLAN_PENDING, names.WORKER_STARTS,
             names.CONTROL_OUTBOX]
     return keys, [holder, str(plan.version), dead, (starts or b"").decode(), str(new.version),
@@ -166,16 +167,17 @@ def failover_plan(plan: Plan, dead: str, live: list[str], ids: Iterator[str]
 
 
 def failover_args(lease_key: str, holder: str, plan: Plan, new: Plan, fence: bytes | None,
-                  dead: str, given: dict[str, list[str]], now: float
+                  dead: str, given: dict[str, list[str]], now: float, db: int = 0
                   ) -> tuple[list[str], list[Any]]:
-    """KEYS and ARGV of FAILOVER_SCRIPT (`given` from `failover_plan`)."""
+    """KEYS and ARGV of FAILOVER_SCRIPT (`given` from `failover_plan`; `db`: the Redis
+    database, whose plan channel announces the new plan, `names.channel`)."""
     adopter = next(iter(given))
     plan_json = new.to_json()
     keys = [lease_key, names.PLAN_KEY, names.PLAN_HISTORY, names.fence_key(dead),
             names.adopter_key(dead), names.adopted_key(adopter), names.PLAN_PENDING,
             *(names.worker_stream(w) for w in given)]
     args: list[Any] = [holder, str(plan.version), (fence or b"").decode(), plan_json,
-                       str(new.version), names.PLAN_CHANNEL,
+                       str(new.version), names.channel(names.PLAN_CHANNEL, db),
                        history_entry(plan_json, new.version, now), str(names.PLAN_HISTORY_MAX),
                        dead, adopter, *(_takeover(new, dead, adopter, pids)
                                         for pids in given.values())]

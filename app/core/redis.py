@@ -266,6 +266,12 @@ def worker_client(url: str) -> Any:
                                 retry=Retry(NoBackoff(), 0))
 
 
+def db_of(client: Any) -> int:
+    """The database index a client (sync or asyncio) works in: 0 on a Redis Cluster."""
+    pool = getattr(client, "connection_pool", None)
+    return int(pool.connection_kwargs.get("db") or 0) if pool is not None else 0
+
+
 def pubsub_pool(client: Any, url: str) -> Any:
     """The connection pool of a pub/sub connection: the client's own, or on a Redis Cluster
     one to the node of `url` (a cluster delivers every PUBLISH to subscribers on any node)."""

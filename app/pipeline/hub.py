@@ -27,7 +27,7 @@ from starlette.concurrency import run_in_threadpool
 
 from app.core.metrics import HOPS, WS_CLOSED, WS_CONNECTIONS, WS_MESSAGES
 from app.core.pipelines import Pipelines
-from app.core.redis import pubsub_pool
+from app.core.redis import db_of, pubsub_pool
 from app.pipeline import names, wire
 from app.services import subscriptions
 
@@ -457,6 +457,10 @@ class Hub:
         self.state = state
         self.settings = state.settings
         self.redis = state.redis
+        db = db_of(self.redis)
+        # this deployment's channel (`names.channel`) -> the name handled
+        self.channels = {names.channel(n, db): n for n in (
+            names.NOTIFY_CHANNEL, names.REVOKED_CHANNEL, names.SUBS_CHANNEL, names.PLAN_CHANNEL)}
         self.conns: set[Connection] = set()
         self.by_sub: dict[str, set[Connection]] = {}
         self.all_by_tenant: dict[str, set[Connection]] = {}
@@ -482,12 +486,11 @@ class Hub:
         while True:
             pubsub = Subscriber(self)
             try:
-                await pubsub.subscribe(names.NOTIFY_CHANNEL, names.REVOKED_CHANNEL,
-                                       names.SUBS_CHANNEL, names.PLAN_CHANNEL)
+                await pubsub.subscribe(*self.channels)
                 async for msg in pubsub.listen():
                     if msg.get("type") != "message":
                         continue
-                    channel = msg["channel"].decode()
+                    channel = self.channels.get(msg["channel"].decode(), "")
                     try:
                         await self._on_message(channel, msg["data"])
                     except Exception:  # a failing handler loses its message, not the channel
@@ -685,7 +688,8 @@ class Hub:
             conn.mark((sub,))
 
     async def key_revoked(self, key_id: str) -> None:
-        await self.redis.publish(names.REVOKED_CHANNEL, wire.encode_json(wire.KeyRevoked(key_id)))
+        await self.redis.publish(names.channel(names.REVOKED_CHANNEL, db_of(self.redis)),
+                                 wire.encode_json(wire.KeyRevoked(key_id)))
 
     # --- listening ----------------------------------------------------------------------
     def register(self, conn: Connection) -> None:

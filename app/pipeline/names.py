@@ -68,7 +68,8 @@ def dead_letter_appended_key(stream: str, dead_letter_id: str) -> str:
     return f"gs:dead:appended:{stream}:{dead_letter_id}"
 
 
-# Channels to the api processes' hubs.
+# Channels to the api processes' hubs. Redis delivers a PUBLISH to the subscribers of every
+# database of the server: a deployment in another database than 0 uses its own (`channel`).
 NOTIFY_CHANNEL = "gs:notify"  # wire.HistoryAppended / wire.SubsChanged from the workers
 REVOKED_CHANNEL = "gs:revoked"  # wire.KeyRevoked
 # A random token replaced by every key revocation: api processes hold the keys they checked in
@@ -315,3 +316,11 @@ def adopter_key(worker: str) -> str:
 def adopted_key(worker: str) -> str:
     """Set: the dead workers whose streams `worker` processes."""
     return "gs:adopted:" + worker_tag(worker)
+
+
+def channel(name: str, db: int) -> str:
+    """Channel `name` of the deployment in Redis database `db`: pub/sub ignores databases, so
+    two deployments on one server (databases 0 and 3, say) would hear each other's messages,
+    a revocation of the other's key id 7 closing our key 7's sockets among them. Database 0
+    (and a Redis Cluster, which has no other) keeps the plain name."""
+    return name if not db else f"{name}@db{db}"

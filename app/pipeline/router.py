@@ -21,6 +21,7 @@ from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 from app.core.config import Settings
 from app.core.metrics import ROUTED_ROWS
 from app.core.pipelines import ClientPipelines, Pipelines, eval_script
+from app.core.redis import db_of
 from app.geo.grid import Grid
 from app.geo.history import history_plan, sample_cells
 from app.geo.index import GlobalIndex, IntArray, Plan, initial_plan
@@ -652,7 +653,8 @@ class Router:
         ids = [r.id for r in rows]
         gone = wire.SubsGone(expired=ids) if reason == "expired" else wire.SubsGone(deleted=ids)
         try:  # best effort: the removal is done; a client listening is then just not told
-            await self.redis.publish(names.SUBS_CHANNEL, wire.encode_json(gone))
+            await self.redis.publish(names.channel(names.SUBS_CHANNEL, db_of(self.redis)),
+                                     wire.encode_json(gone))
         except redis.exceptions.RedisError as exc:
             log.warning("could not announce the end of subscriptions %s: %s", ids[:5], exc)
 
@@ -739,6 +741,6 @@ async def ensure_plan(redis: aioredis.Redis, settings: Settings, workers: list[s
         pipe.ltrim(names.PLAN_HISTORY, -names.PLAN_HISTORY_MAX, -1)
         await pipe.execute()
         # (not in the transaction: a cluster's transaction takes only commands on keys)
-        await redis.publish(names.PLAN_CHANNEL, str(plan.version))
+        await redis.publish(names.channel(names.PLAN_CHANNEL, db_of(redis)), str(plan.version))
     await redis.eval(ALLOCATE_IDS_SCRIPT, 1, names.PART_SEQ, part_seq_floor(plan), 0)
     return plan

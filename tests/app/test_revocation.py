@@ -16,7 +16,7 @@ import pytest
 import redis
 
 from app.core.db import session_scope
-from app.core.redis import EmbeddedRedis
+from app.core.redis import EmbeddedRedis, db_of
 from app.pipeline import names
 from app.services import keys as key_service
 from tests.app.asgiws import AsgiWebSocket
@@ -117,8 +117,9 @@ def test_a_failing_handler_is_logged_and_the_listener_goes_on(
     s = pubsub_only_app
     hub = s.app.state.gs.hub
     client = redis.Redis.from_url(s.redis_url)
+    revoked = names.channel(names.REVOKED_CHANNEL, db_of(client))
     try:
-        subscribed = numsub(client, names.REVOKED_CHANNEL)  # ours and other apps' hubs
+        subscribed = numsub(client, revoked)  # the hubs of our database's apps
         real = hub.handle_key_revoked
         crashes: list[str] = []
 
@@ -138,7 +139,7 @@ def test_a_failing_handler_is_logged_and_the_listener_goes_on(
                        "the logged failure")
         assert hub._task is not None and not hub._task.done()
         # The listener is subscribed again...
-        wait_until(lambda: numsub(client, names.REVOKED_CHANNEL) >= subscribed, 10,
+        wait_until(lambda: numsub(client, revoked) >= subscribed, 10,
                    "the restarted listener's subscription")
         # ...and a revocation over pub/sub closes an open socket at once.
         key_id, key = create_key(s, "after-crash")
@@ -178,3 +179,35 @@ def test_a_key_held_by_another_api_process_is_refused_at_once(
             redis.Redis.from_url(a.redis_url).delete(names.KEYS_TOKEN)
             assert status_with(b, key) == 401
             assert status_with(b, kept) == 200
+
+
+def test_a_deployment_in_another_database_hears_none_of_our_messages(
+        pubsub_only_app: InProcessServer, tmp_path: Path, embedded_redis: EmbeddedRedis,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pub/sub ignores Redis databases: two deployments on one server, in databases of their
+    own, each hear only their own channels (`names.channel`). A revocation in ours closes our
+    socket; the other deployment's hub hears its own revocation, and not ours (before, every
+    hub heard every database's, and a key id revoked in one closed the sockets of the same
+    key id in the other)."""
+    ours = pubsub_only_app
+    (tmp_path / "other").mkdir()
+    with start_inprocess(tmp_path / "other", embedded_redis.url,
+                         GEOSWARM_KEY_RECHECK_S="3600") as other:
+        assert other.redis_url != ours.redis_url
+        heard: list[str] = []
+        monkeypatch.setattr(other.app.state.gs.hub, "handle_key_revoked",
+                            lambda msg: heard.append(msg.key))
+        key_id, key = create_key(ours, "ours")
+        ws = listening_socket(ours, key)
+        try:
+            with ours.http(ours.admin()) as c:
+                assert c.delete(f"/v1/admin/keys/{key_id}").status_code == 204
+            assert ws.wait_closed(10) == 1008, ws.close_reason
+        finally:
+            ws.close()
+        theirs, _ = create_key(other, "theirs")
+        with other.http(other.admin()) as c:
+            assert c.delete(f"/v1/admin/keys/{theirs}").status_code == 204
+        # one connection's messages arrive in order: ours would have come first
+        wait_until(lambda: theirs in heard, 10, "the other deployment's own revocation")
+        assert heard == [theirs]
