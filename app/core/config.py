@@ -114,6 +114,10 @@ class Settings(BaseSettings):
     worker_dead_after_s: float = 5.0
     # a snapshot query not answered by every worker it asked within this fails (503)
     query_timeout_s: float = 30.0
+    # how long `GET /v1/queries/{id}` can read again an answer given at once (200); one given
+    # later (202, then polled) is kept for an hour. Each is kept in Redis for that long: a
+    # client asking 100 queries a second of 10 kB answers keeps 60 MB at 60 s, 3.6 GB at 1 h.
+    query_answer_keep_s: float = Field(default=60.0, gt=0, le=3600)
 
     # --- per-tenant quotas (0: unlimited) -----------------------------------------
     tenant_max_subscriptions: int = 100_000  # live subscriptions of one tenant

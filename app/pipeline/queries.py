@@ -53,7 +53,7 @@ from app.pipeline.wire import STALE_CUT
 
 log = logging.getLogger(__name__)
 
-QUERY_TTL_S = 3600  # how long a finished query's answer can be read
+QUERY_TTL_S = 3600  # how long the outcome of a query answered later (202) can be read
 # An answer given at once is stored after it is sent (off its path): a `GET` of its id that
 # reaches another api process first waits up to this long after the id was made for it.
 STORE_GRACE_S = 2.0
@@ -198,7 +198,8 @@ class QueryService:
                      "deadline": started + self.settings.query_timeout_s}),
                     "EX", QUERY_TTL_S, "NX")])
                 return {"id": query_id, "status": "running"}, None
-        return body, functools.partial(self._store, query_id, tenant, started, body)
+        return body, functools.partial(self._store, query_id, tenant, started, body,
+                                       self.settings.query_answer_keep_s)
 
     async def status(self, tenant: str, query_id: str) -> dict[str, Any] | None:
         """The public body of a query of this tenant, or None (unknown, or another tenant's)."""
@@ -229,15 +230,16 @@ class QueryService:
         for task in list(self._tasks):
             task.cancel()
 
-    async def _store(self, query_id: str, tenant: str, started: float, body: dict[str, Any]
-                     ) -> None:
-        """Keep a query's outcome for `GET /v1/queries/{id}` (QUERY_TTL_S)."""
+    async def _store(self, query_id: str, tenant: str, started: float, body: dict[str, Any],
+                     keep_s: float = QUERY_TTL_S) -> None:
+        """Keep a query's outcome for `GET /v1/queries/{id}`, `keep_s` seconds."""
         doc = {"tenant": tenant, "started": started,
                "deadline": started + self.settings.query_timeout_s,
                **{k: v for k, v in body.items() if k != "id"}}
         try:
             await self.pipelines.execute(
-                [("SET", names.query_key(query_id), orjson.dumps(doc), "EX", QUERY_TTL_S)])
+                [("SET", names.query_key(query_id), orjson.dumps(doc), "PX",
+                  max(1, int(keep_s * 1000)))])
         except Exception as exc:
             log.warning("could not store the outcome of query %s: %s", query_id, exc)
 

@@ -239,11 +239,14 @@ def test_a_slow_answer_is_polled_by_id(cluster: LiveServer) -> None:
         assert got.json()["status"] == "done"
         assert shaped(q, got.json()["results"]) == data.answer(q)
         assert client.get(f"/v1/queries/{qid}", headers=auth(stranger)).status_code == 404
+    # an answer given later is kept for an hour (one given at once, for less: see below)
+    keep_ms = redis.Redis.from_url(cluster.redis_url).pttl(names.query_key(qid))
+    assert 3_500_000 < keep_ms <= 3_600_000, keep_ms
 
 
 def test_an_answer_given_at_once_is_kept_for_its_id(cluster: LiveServer) -> None:
     """A query answered within `wait_s` is stored once its answer is sent: `GET
-    /v1/queries/{id}` gives the same body."""
+    /v1/queries/{id}` gives the same body, for GEOSWARM_QUERY_ANSWER_KEEP_S (a minute)."""
     key = cluster.new_key()
     data, clock = Records(), [t0()]
     with httpx.Client(base_url=cluster.base_url, timeout=60) as client:
@@ -257,6 +260,8 @@ def test_an_answer_given_at_once_is_kept_for_its_id(cluster: LiveServer) -> None
             got = client.get(f"/v1/queries/{body['id']}", headers=auth(key))
             assert got.status_code == 200, got.text
             assert got.json() == body
+            keep_ms = redis.Redis.from_url(cluster.redis_url).pttl(names.query_key(body["id"]))
+            assert 50_000 < keep_ms <= 60_000, keep_ms
 
 
 def test_an_answer_given_at_once_is_found_through_another_api_process(cluster: LiveServer
