@@ -41,6 +41,19 @@ def listening_socket(s: InProcessServer, key: str) -> AsgiWebSocket:
     return ws
 
 
+def revoke_while_listening(s: InProcessServer, tenant: str) -> None:
+    """A new key of `tenant` listening on a socket, revoked through the API: the socket is
+    closed at once (1008), by the revocation's pub/sub message."""
+    key_id, key = create_key(s, tenant)
+    ws = listening_socket(s, key)
+    try:
+        with s.http(s.admin()) as c:
+            assert c.delete(f"/v1/admin/keys/{key_id}").status_code == 204
+        assert ws.wait_closed(10) == 1008, ws.close_reason
+    finally:
+        ws.close()
+
+
 def status_with(s: InProcessServer, key: str) -> int:
     with s.http(auth(key)) as c:
         return c.get("/v1/subscriptions").status_code
@@ -142,14 +155,7 @@ def test_a_failing_handler_is_logged_and_the_listener_goes_on(
         wait_until(lambda: numsub(client, revoked) >= subscribed, 10,
                    "the restarted listener's subscription")
         # ...and a revocation over pub/sub closes an open socket at once.
-        key_id, key = create_key(s, "after-crash")
-        ws = listening_socket(s, key)
-        try:
-            with s.http(s.admin()) as c:
-                assert c.delete(f"/v1/admin/keys/{key_id}").status_code == 204
-            assert ws.wait_closed(10) == 1008, ws.close_reason
-        finally:
-            ws.close()
+        revoke_while_listening(s, "after-crash")
     finally:
         client.close()
 
@@ -197,14 +203,7 @@ def test_a_deployment_in_another_database_hears_none_of_our_messages(
         heard: list[str] = []
         monkeypatch.setattr(other.app.state.gs.hub, "handle_key_revoked",
                             lambda msg: heard.append(msg.key))
-        key_id, key = create_key(ours, "ours")
-        ws = listening_socket(ours, key)
-        try:
-            with ours.http(ours.admin()) as c:
-                assert c.delete(f"/v1/admin/keys/{key_id}").status_code == 204
-            assert ws.wait_closed(10) == 1008, ws.close_reason
-        finally:
-            ws.close()
+        revoke_while_listening(ours, "ours")
         theirs, _ = create_key(other, "theirs")
         with other.http(other.admin()) as c:
             assert c.delete(f"/v1/admin/keys/{theirs}").status_code == 204
