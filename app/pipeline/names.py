@@ -320,7 +320,9 @@ def adopted_key(worker: str) -> str:
 
 def channel(name: str, db: int) -> str:
     """Channel `name` of the deployment in Redis database `db`: pub/sub ignores databases, so
-    two deployments on one server (databases 0 and 3, say) would hear each other's messages,
-    a revocation of the other's key id 7 closing our key 7's sockets among them. Database 0
-    (and a Redis Cluster, which has no other) keeps the plain name."""
+    two deployments on one server (databases 0 and 3, say) would hear each other's messages:
+    every hub decoding the other's notifications, and a revocation in one closing the other's
+    sockets of the same key id (a staging copy restored from production's SQL backup holds
+    the same keys). Database 0 (and a Redis Cluster, which has no other) keeps the plain
+    name."""
     return name if not db else f"{name}@db{db}"
