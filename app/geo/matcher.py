@@ -193,6 +193,22 @@ def numpy_brute_force_match(
 # --------------------------------------------------------------------------------------------
 
 
+def _simd_sort() -> bool:
+    """Whether numpy sorts int64 with vector instructions on this CPU (numpy 2: x86-simd-sort
+    with AVX2 or AVX-512, Highway on Arm)."""
+    try:
+        from numpy._core._multiarray_umath import __cpu_features__ as features
+    except ImportError:
+        return False
+    return any(features.get(f) for f in ("AVX2", "AVX512_SKX", "ASIMD"))
+
+
+# How the textual pairs' codes are sorted. With a vector sort, numpy's default took 0.43 ms for
+# 100 000 codes in 8 sorted runs against 1.0 ms for the stable sort's merge of the runs (the
+# matcher: +20 % objects/s); without one, the merge is the faster.
+_CODE_SORT: Literal["quicksort", "stable"] = "quicksort" if _simd_sort() else "stable"
+
+
 def _run_starts(sorted_values: I64) -> I64:
     """Where each run of equal values of a sorted, non-empty array begins (0 first)."""
     new = np.empty(sorted_values.size, dtype=np.bool_)
@@ -618,8 +634,9 @@ class SubscriptionIndex:
             # Sorted (object, slot) codes: the pairs an object hits through several of its
             # keywords are adjacent.
             code = np.concatenate(textual) if len(textual) > 1 else textual[0]
-            # a few runs sorted by object already (one per bucket): timsort merges them
-            code.sort(kind="stable")
+            # a few runs sorted by object already (one per bucket); equal codes are equal
+            # pairs, so any sort gives the same array (`_CODE_SORT`)
+            code.sort(kind=_CODE_SORT)
             starts = _run_starts(code)
             if self._n_all:
                 # CONTAINS: a pair matches when every keyword of the sub hit (object keywords

@@ -88,6 +88,10 @@ def test_match_equals_brute_force(seed: int, n_subs: int, n_obj: int) -> None:
         filtered.add_many(subs)
     assert all(c.bloom is not None for c in filtered._main if c.ukeys.size)
     assert_same(filtered.match(lon, lat, kws), want)
+    # Either way of sorting the textual pairs (`_CODE_SORT`, by the CPU's vector sort).
+    for kind in ("quicksort", "stable"):
+        with mock.patch.object(matcher, "_CODE_SORT", kind):
+            assert_same(idx.match(lon, lat, kws), want)
 
 
 @settings(max_examples=60, deadline=None)
