@@ -185,7 +185,9 @@ class Executor:
         # sending it again would write its matches twice. A failed call ends the step instead,
         # and the entry, still pending, is replayed against its done-marker (`_recover_pending`).
         self.redis: Any = worker_client(redis_url)
-        self.db = db_of(self.redis)  # its channels' (`names.channel`)
+        db = db_of(self.redis)  # our database's channels (`names.channel`)
+        self.plan_channel = names.channel(names.PLAN_CHANNEL, db)
+        self.notify_channel = names.channel(names.NOTIFY_CHANNEL, db)
         self.stream = names.worker_stream(worker_id)
         self.index: GlobalIndex | None = None
         self.stopping = 0
@@ -771,10 +773,10 @@ class Executor:
         now = time.time()
         if self.relayer is None:
             keys, args = plan_cas_args(expected, plan_json, version, now,
-                                       names.channel(names.PLAN_CHANNEL, self.db), handoffs, holds)
+                                       self.plan_channel, handoffs, holds)
             return bool(self._plan_cas(keys=keys, args=args))
         keys, args = plan_stage_args(expected, plan_json, version, now,
-                                     names.channel(names.PLAN_CHANNEL, self.db), handoffs, holds)
+                                     self.plan_channel, handoffs, holds)
         staged = self._plan_stage(keys=keys, args=args)
         self.relayer.relay_all(names.CONTROL_OUTBOX)
         return bool(staged)
@@ -989,7 +991,6 @@ class Executor:
         the oldest batch of the step was appended, for the hubs' hops). `chunks`: the script
         calls of each write (`history_chunks`), `replies` theirs."""
         written_at = time.time()
-        notify_channel = names.channel(names.NOTIFY_CHANNEL, self.db)
         pipe = self.redis.pipeline(transaction=False)
         it = iter(replies)
         for (tenant, bucket, sub_ids, refs, stored), calls in zip(writes, chunks, strict=True):
@@ -1002,12 +1003,12 @@ class Executor:
                     entries.append((sid, reply[2 * j].decode(), reply[2 * j + 1].decode(),
                                     refs[a + j]))
             # (a cluster's pipeline refuses `publish`, not the command)
-            pipe.execute_command("PUBLISH", notify_channel, wire.encode_notification(
+            pipe.execute_command("PUBLISH", self.notify_channel, wire.encode_notification(
                 wire.HistoryAppended(
                     tenant=tenant, bucket=bucket, entries=entries, records=stored,
                     sent_at=sent_at, written_at=written_at)))
         for tenant, subs in notify.items():
-            pipe.execute_command("PUBLISH", notify_channel, wire.encode_notification(
+            pipe.execute_command("PUBLISH", self.notify_channel, wire.encode_notification(
                 wire.SubsChanged(tenant=tenant, subs=sorted(subs))))
         pipe.execute()
 

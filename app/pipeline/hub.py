@@ -457,9 +457,9 @@ class Hub:
         self.state = state
         self.settings = state.settings
         self.redis = state.redis
-        db = db_of(self.redis)
+        self.db = db_of(self.redis)
         # this deployment's channel (`names.channel`) -> the name handled
-        self.channels = {names.channel(n, db): n for n in (
+        self.channels = {names.channel(n, self.db): n for n in (
             names.NOTIFY_CHANNEL, names.REVOKED_CHANNEL, names.SUBS_CHANNEL, names.PLAN_CHANNEL)}
         self.conns: set[Connection] = set()
         self.by_sub: dict[str, set[Connection]] = {}
@@ -688,7 +688,7 @@ class Hub:
             conn.mark((sub,))
 
     async def key_revoked(self, key_id: str) -> None:
-        await self.redis.publish(names.channel(names.REVOKED_CHANNEL, db_of(self.redis)),
+        await self.redis.publish(names.channel(names.REVOKED_CHANNEL, self.db),
                                  wire.encode_json(wire.KeyRevoked(key_id)))
 
     # --- listening ----------------------------------------------------------------------
