@@ -67,6 +67,7 @@ from workers.outbox import OutboxPipe, relay_outbox
 from workers.records import RecordWindow, TenantRecords, records_of
 from workers.snapshot import evaluate
 from workers.subs import LocalSubs
+from workers.window import keyword_set
 
 log = logging.getLogger(__name__)
 
@@ -446,7 +447,7 @@ class Executor:
                 mine = self.index.worker_of_points(np.asarray(lons), np.asarray(lats)) == me
             state = self.knn_state(tenant)
             for i in np.flatnonzero(mine).tolist():
-                words = frozenset(rest[i][1])
+                words = keyword_set(rest[i][1])
                 state.upsert_moving(ids[i], float(lons[i]), float(lats[i]), words,
                                     float(rest[i][0]))
             state.refresh()

@@ -21,7 +21,7 @@ from app.geo.geometry import circle_bbox, haversine_m
 from app.geo.grid import Grid
 from app.pipeline.wire import ObjectBatch
 from workers.knn_index import Neighbor, PointIndex
-from workers.window import LiveWindow
+from workers.window import LiveWindow, keyword_set
 
 MOVING, EVENT = 0, 1  # the kinds of object a worker holds (their ids may coincide)
 REACH_GRID = Grid(nx=720, ny=360)  # half-degree cells: which lists an arrival can enter
@@ -398,7 +398,7 @@ class KnnState:
             self._apply_unindexed(batch, at)
         else:
             for i, oid in enumerate(batch.ids):
-                kws = frozenset(batch.keywords[i])
+                kws = keyword_set(batch.keywords[i])
                 if batch.exit_only[i]:
                     # exit-only copy: the object moved to another worker's partition
                     if not batch.late[i]:
@@ -419,7 +419,7 @@ class KnnState:
         come to); a batch of events at once."""
         w = self.objects
         if not any(batch.moving) and not any(batch.exit_only):
-            w.add_events(batch.ids, batch.lon, batch.lat, map(frozenset, batch.keywords), at)
+            w.add_events(batch.ids, batch.lon, batch.lat, map(keyword_set, batch.keywords), at)
             return
         upsert = w.upsert_moving
         for oid, lon, lat, kws, ts, when, mv, late, xo in zip(
@@ -429,9 +429,9 @@ class KnnState:
                 if not late and not w.holds_record(oid, ts, (lon, lat)):
                     w.remove_moving(oid, ts)
             elif not mv:
-                w.add_event(oid, lon, lat, frozenset(kws), when)
+                w.add_event(oid, lon, lat, keyword_set(kws), when)
             elif not late:
-                upsert(oid, lon, lat, frozenset(kws), ts)
+                upsert(oid, lon, lat, keyword_set(kws), ts)
 
     def refresh(self) -> list[KnnSub]:
         """The subscriptions whose local top-k changed since the last refresh, with their new

@@ -19,6 +19,7 @@ import numpy.typing as npt
 
 from app.geo.geometry import EARTH_RADIUS_M, haversine_m
 from app.geo.grid import Grid
+from workers.window import NO_KEYWORDS
 
 F64 = npt.NDArray[np.float64]
 # (distance in metres rounded to the millimetre, object id, lon, lat, the point's key): the
@@ -127,7 +128,7 @@ class _Cell:
     def remove(self, key: Hashable) -> None:
         i = self.slot.pop(key)
         self.lon[i] = self.lat[i] = np.nan
-        self.kws[i] = frozenset()
+        self.kws[i] = NO_KEYWORDS
         self.free.append(i)
 
 

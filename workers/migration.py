@@ -24,6 +24,7 @@ from app.pipeline import knnreg, names, wire
 from app.pipeline.router import targets_for_spec
 from workers.decide import known
 from workers.knn import MOVING, KnnSub
+from workers.window import keyword_set
 
 if TYPE_CHECKING:
     from workers.executor import Executor
@@ -163,7 +164,7 @@ class Migration:
         for tenant, objs in msg.moving.items():
             state = ex.knn_state(tenant)
             for oid, lon, lat, kws, ts in objs:
-                state.upsert_moving(oid, lon, lat, frozenset(kws), ts)
+                state.upsert_moving(oid, lon, lat, keyword_set(kws), ts)
             changed = state.refresh()
             if changed:
                 ex.merge_knn(tenant, changed, pipe)

@@ -12,6 +12,15 @@ from typing import Any
 
 import numpy as np
 
+NO_KEYWORDS: frozenset[str] = frozenset()
+
+
+def keyword_set(words: Iterable[str]) -> frozenset[str]:
+    """A record's keywords as the window holds them. Records without keywords (most moving
+    objects' positions) share one empty set: CPython makes a new one for each `frozenset()`
+    (216 bytes and a collector-tracked object per record held)."""
+    return frozenset(words) if words else NO_KEYWORDS
+
 
 class LiveWindow:
     """The records one worker holds for one tenant."""

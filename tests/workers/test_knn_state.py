@@ -366,3 +366,28 @@ def test_batches_without_knn_subscriptions_are_held_as_row_by_row(
     a = fast.add(KnnSub("q", 0.0, 0.0, 4, frozenset(), False))
     b = slow.add(KnnSub("q", 0.0, 0.0, 4, frozenset(), False))
     assert a.local == b.local
+
+
+@pytest.mark.parametrize("indexed", [False, True])
+def test_records_without_keywords_share_one_empty_set(indexed: bool) -> None:
+    """Moving objects' positions and events without keywords hold one shared empty keyword
+    set, with and without a kNN subscription here (a set each is 216 bytes a record held);
+    those with keywords hold their own, and a subscription's keyword predicate still tells
+    them apart."""
+    state = KnnState(100.0, 10.0)
+    if indexed:
+        state.add(KnnSub("q", 0.0, 0.0, 4, frozenset(), False))
+    n = 4
+    batch = ObjectBatch(
+        tenant="t", ids=["m1", "m2", "e1", "e2"], record_ids=["r1", "r2", "r3", "r4"],
+        lon=[0.1, 0.2, 0.3, 0.4], lat=[0.0] * n, ts=[1.0] * n,
+        keywords=[[], ["taxi"], [], ["taxi"]], text=[None] * n, props=[None] * n,
+        moving=[True, True, False, False], prev=[None] * n, late=[False] * n,
+        exit_only=[False] * n, decide_exit=[False] * n, sent_at=0.0, plan_version=1)
+    state.apply(batch, [5.0] * n, 6.0)
+    w = state.objects
+    empty = w.moving["m1"][2]
+    assert empty == frozenset() and w.events["e1"][2] is empty
+    assert w.moving["m2"][2] == w.events["e2"][2] == {"taxi"}
+    taxi = state.add(KnnSub("t", 0.0, 0.0, 4, frozenset({"taxi"}), False))
+    assert [nb[1] for nb in taxi.local] == ["m2", "e2"]
