@@ -12,7 +12,7 @@ test-fast:
 	bash scripts/test.sh -m "not slow"
 
 lint:
-	bash -c 'source scripts/bootstrap.sh && $$VENV/bin/ruff check . && $$VENV/bin/mypy app/geo workers spark'
+	bash -c 'source scripts/bootstrap.sh && $$VENV/bin/ruff check . && $$VENV/bin/mypy app workers spark bench'
 
 bench:
 	bash -c 'source scripts/bootstrap.sh && $$VENV/bin/geoswarm bench pipeline'

@@ -256,7 +256,7 @@ def draw(rows: list[dict[str, Any]], png: Path) -> None:
     fig.savefig(png, dpi=110)
 
 
-def main(argv: list[str]) -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="geoswarm bench archive", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--records", default="1000000,10000000",

@@ -170,7 +170,7 @@ def bench_cluster(prefix: str, workers: int, **env_overrides: str) -> Iterator[L
     redis_server = start_embedded_redis(Settings(data_dir=tmp / "redis"), die_with_parent=True)
     try:
         server = start_server(tmp, redis_server.url, None, workers, 1, die_with_parent=True,
-                              **{**UNTHROTTLED, **env_overrides})
+                              own_db=True, **{**UNTHROTTLED, **env_overrides})
         server.redis_pid = redis_server.process.pid  # its CPU is counted with the processes'
         try:
             server.wait_workers(workers)

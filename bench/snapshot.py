@@ -132,7 +132,7 @@ class Background(threading.Thread):
 def load_geo_set(client: redis.Redis, ids: list[str], objs: dict[str, Any]) -> None:
     """GEOADD every point (Redis clamps latitudes to ±85.05; the workload has none beyond)."""
     lon, lat = objs["lon"].tolist(), objs["lat"].tolist()
-    pipe = client.pipeline(transaction=False)
+    pipe: Any = client.pipeline(transaction=False)
     for a in range(0, len(ids), 10_000):
         flat: list[Any] = []
         for i in range(a, min(a + 10_000, len(ids))):
@@ -199,7 +199,7 @@ def run(records: int = 1_000_000, queries: int = 200, workers: int = 2, batch: i
         t0, wall0 = time.perf_counter(), time.time()
         ids = publish(server, key, objs, batch)
         publish_s = time.perf_counter() - t0
-        geo = redis.Redis.from_url(server.redis_url)
+        geo: Any = redis.Redis.from_url(server.redis_url)  # (execute_command is untyped)
         load_geo_set(geo, ids, objs)
         h = {"Authorization": f"Bearer {key}"}
         out: dict[str, Any] = {"records": records, "workers": workers,

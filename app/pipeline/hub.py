@@ -484,7 +484,7 @@ class Hub:
 
     async def _listen_notifications(self) -> None:
         while True:
-            pubsub = Subscriber(self)
+            pubsub: Any = Subscriber(self)  # (redis-py's aclose is untyped)
             try:
                 await pubsub.subscribe(*self.channels)
                 async for msg in pubsub.listen():

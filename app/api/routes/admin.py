@@ -78,7 +78,7 @@ async def cluster(state: StateDep, _admin: AdminDep) -> dict[str, Any]:
     costs = _json_object(await state.redis.get(names.BALANCER_STATE)).get("costs")
     costs = costs if isinstance(costs, dict) else {}
     now = time.time()
-    infos = {k.decode(): orjson.loads(v) for k, v in raw.items()}
+    infos = {str(_decode(k)): orjson.loads(v) for k, v in raw.items()}
     worker_ids = sorted(set(infos) | set(index.workers if index else []))
     pipe = state.redis.pipeline(transaction=False)
     for w in worker_ids:
@@ -264,6 +264,7 @@ async def put_balancer(body: BalancerConfigIn, state: StateDep, _admin: AdminDep
                        ) -> dict[str, Any]:
     """Change any of enabled, period_s and beta; the coordinator picks them up next round."""
     changes = body.model_dump(exclude_unset=True)
+    pipe: Any  # (redis-py's multi is untyped)
     async with state.redis.pipeline(transaction=True) as pipe:
         while True:  # optimistic: a concurrent PUT is merged, not overwritten
             try:
@@ -538,8 +539,8 @@ async def replay_dead_letter(dead_letter_id: str, state: StateDep, _admin: Admin
         done = _decode(await state.redis.get(done_key))
         if done is None:
             raise NotFound(f"no dead letter {did!r}")
-        stream, new_id = done.split("\n", 1)
-        return DeadLetterReplayed(id=did, stream=stream, entry_id=new_id)
+        to, new_id = done.split("\n", 1)
+        return DeadLetterReplayed(id=did, stream=to, entry_id=new_id)
     stream = _decode((found[0][1] or {}).get(b"stream"))
     if stream is None or not stream.startswith(_WORKER_STREAMS):
         raise Conflict(f"dead letter {did!r} came from {stream!r}, not a worker's stream")

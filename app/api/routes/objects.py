@@ -105,10 +105,10 @@ def _parse_objects_slowly(body: bytes, ndjson: bool, max_batch: int) -> list[Obj
 
 def _with_prefix(exc: ValidationError, prefix: tuple[Any, ...]) -> list[dict[str, Any]]:
     errors = []
-    for err in exc.errors(include_url=False):
-        err = dict(err)
-        err["loc"] = prefix + tuple(err["loc"])
-        ctx = err.get("ctx")
+    for found in exc.errors(include_url=False):
+        err: dict[str, Any] = dict(found)
+        err["loc"] = prefix + tuple(found["loc"])
+        ctx = found.get("ctx")
         if ctx:
             err["ctx"] = {k: str(v) for k, v in ctx.items()}
         errors.append(err)
