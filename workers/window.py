@@ -7,7 +7,7 @@ whole buckets expire at once.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from typing import Any
 
 import numpy as np
@@ -15,7 +15,7 @@ import numpy as np
 NO_KEYWORDS: frozenset[str] = frozenset()
 
 
-def keyword_set(words: Iterable[str]) -> frozenset[str]:
+def keyword_set(words: Collection[str]) -> frozenset[str]:
     """A record's keywords as the window holds them. Records without keywords (most moving
     objects' positions) share one empty set: CPython makes a new one for each `frozenset()`
     (216 bytes and a collector-tracked object per record held)."""
