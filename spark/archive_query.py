@@ -27,7 +27,6 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-import orjson
 import pyarrow as pa
 from pyspark.sql import Column, DataFrame, SparkSession, Window
 from pyspark.sql import functions as F
@@ -140,7 +139,7 @@ class Rows:
             id=c["id"][i].as_py(), lon=float(self.lon[i]), lat=float(self.lat[i]),
             ts=c["ts"][i].as_py(), keywords=list(c["keywords"][i].as_py() or []),
             text=None if light else c["text"][i].as_py(),
-            props=None if props is None else orjson.loads(props),
+            props=props,
             moving=c["moving"][i].as_py(), at=c["at"][i].as_py())
 
 

@@ -15,7 +15,6 @@ import threading
 import time
 from typing import Any
 
-import orjson
 import redis
 from pyspark.sql import Row
 
@@ -40,7 +39,7 @@ def record_batch(tenant: str, rows: list[Row]) -> RecordBatch:
         tenant=tenant, ids=[r["id"] for r in rows], moving=[r["moving"] for r in rows],
         lon=[r["lon"] for r in rows], lat=[r["lat"] for r in rows], ts=[r["ts"] for r in rows],
         keywords=[list(r["keywords"]) for r in rows], text=[r["text"] for r in rows],
-        props=[None if r["props"] is None else orjson.loads(r["props"]) for r in rows],
+        props=[r["props"] for r in rows],
         size=len(rows), ttl_s=ttl if any(t is not None for t in ttl) else None)
 
 

@@ -210,7 +210,7 @@ def validate_rows(rules: RowRules, rows: list[tuple[dict[str, Any], str | None]]
         props = records.props[i]
         out.append((True, None, file, original, records.ids[i], records.moving[i],
                     records.lon[i], records.lat[i], records.ts[i], records.keywords[i],
-                    records.text[i], None if props is None else orjson.dumps(props).decode(),
+                    records.text[i], props,
                     c.ttl_s))
         i += 1
     return out

@@ -16,6 +16,7 @@ import pyarrow.parquet as pq
 
 from app.archive.layout import CELLS_META, ROW_GROUP_ROWS, SCHEMA, ArchiveStore, z_order
 from app.geo.grid import Grid
+from app.pipeline.records import props_text
 from app.pipeline.wire import ObjectBatch
 
 
@@ -33,7 +34,7 @@ def records_table(batches: Sequence[tuple[ObjectBatch, Any]], bucket: int, worke
         ids += batch.ids
         kws += batch.keywords
         text += batch.text
-        props += [None if p is None else orjson.dumps(p).decode() for p in batch.props]
+        props += map(props_text, batch.props)
         moving += batch.moving
         lon.append(np.asarray(batch.lon, dtype=np.float64))
         lat.append(np.asarray(batch.lat, dtype=np.float64))

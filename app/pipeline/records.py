@@ -8,12 +8,13 @@ import os
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import msgpack
+import orjson
 
 from app.geo.tokenize import normalize_keywords, tokenize
-from app.pipeline.wire import ObjectBatch
+from app.pipeline.wire import ObjectBatch, Props
 
 _prefix = secrets.token_hex(4)
 _counter = itertools.count()
@@ -49,7 +50,7 @@ class RecordBatch:
     ts: list[float]
     keywords: list[list[str]]
     text: list[str | None]
-    props: list[dict[str, Any] | None]
+    props: list[str | None]  # JSON text (`wire.Props`)
     size: int
     ttl_s: list[float | None] | None = None  # moving objects' own TTLs (None: the default)
 
@@ -75,10 +76,13 @@ class ValidObject(Protocol):
     def ttl_s(self) -> float | None: ...
 
 
-def records_from_objects(objs: Sequence[ValidObject], tenant: str, now: float) -> RecordBatch:
+def records_from_objects(objs: Sequence[ValidObject], tenant: str, now: float,
+                         props: list[str | None] | None = None) -> RecordBatch:
     """Validated objects (`schemas.ObjectIn`) as records: server ids for events, keywords
-    lower-cased and de-duplicated with the text's tokens, `ts` defaulting to `now`. Shared by
-    `POST /v1/objects` and `geoswarm ingest`, so that both store the same records."""
+    lower-cased and de-duplicated with the text's tokens, `ts` defaulting to `now`, props as
+    JSON text (`props`: that of each object, when its validation encoded them already).
+    Shared by `POST /v1/objects` and `geoswarm ingest`, so that both store the same
+    records."""
     n = len(objs)
     event_ids = iter(new_event_ids(sum(1 for o in objs if o.id is None)))
     ids: list[str] = []
@@ -102,7 +106,7 @@ def records_from_objects(objs: Sequence[ValidObject], tenant: str, now: float) -
         ts=[o.ts if o.ts is not None else now for o in objs],
         keywords=keywords,
         text=[o.text for o in objs],
-        props=[o.props for o in objs],
+        props=props if props is not None else [props_text(o.props) for o in objs],
         size=n,
         ttl_s=[o.ttl_s for o in objs] if any(o.ttl_s is not None for o in objs) else None,
     )
@@ -116,29 +120,44 @@ def object_batch(batch: RecordBatch, record_ids: list[str],
     return ObjectBatch(
         tenant=batch.tenant, sent_at=sent_at, plan_version=plan_version, ids=batch.ids,
         record_ids=record_ids, moving=batch.moving, lon=batch.lon, lat=batch.lat, ts=batch.ts,
-        keywords=batch.keywords, text=batch.text, props=batch.props, prev=prev, late=late,
+        keywords=batch.keywords, text=batch.text, props=cast(list[Props], batch.props),
+        prev=prev, late=late,
         exit_only=[False] * batch.size, decide_exit=decide_exit)
 
 
 def public_record(object_id: str, lon: float, lat: float, ts: float, keywords: list[str],
-                  text: str | None, props: dict[str, Any] | None) -> dict[str, Any]:
-    """A record as clients see it (in matches): `text` and `props` only when given."""
+                  text: str | None, props: Props) -> dict[str, Any]:
+    """A record as clients see it (in matches), for orjson to encode: `text` and `props` only
+    when given, props' JSON text embedded as it is."""
     out: dict[str, Any] = {"id": object_id, "lon": lon, "lat": lat, "ts": ts,
                            "keywords": keywords}
     if text is not None:
         out["text"] = text
     if props is not None:
-        out["props"] = props
+        out["props"] = orjson.Fragment(props) if isinstance(props, str) else props
     return out
+
+
+def props_text(props: Props) -> str | None:
+    """Props as JSON text (encoded here only when an earlier version left the object)."""
+    return props if props is None or isinstance(props, str) else orjson.dumps(props).decode()
+
+
+def props_object(props: Props) -> dict[str, Any] | None:
+    """Props decoded, for a response model."""
+    if isinstance(props, str):
+        decoded: dict[str, Any] = orjson.loads(props)
+        return decoded
+    return props
 
 
 # A moving object's latest record in `names.positions_key(tenant)`: a msgpack array
 # [ts, lon, lat, keywords, props] (the last-writer-wins script reads ts at index 1).
-Position = tuple[float, float, float, list[str], dict[str, Any] | None]
+Position = tuple[float, float, float, list[str], Props]
 
 
 def pack_position(ts: float, lon: float, lat: float, keywords: list[str],
-                  props: dict[str, Any] | None) -> bytes:
+                  props: Props) -> bytes:
     packed: bytes = msgpack.packb([ts, lon, lat, keywords, props], use_bin_type=True)
     return packed
 

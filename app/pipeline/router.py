@@ -553,8 +553,8 @@ class Router:
         packed = raw if isinstance(raw, bytes) else raw.encode()
         ts, lon, lat, kws, props = records.unpack_position(packed)
         # GET /v1/objects/{id} always carries `props` (null when none was given)
-        return {**records.public_record(object_id, lon, lat, ts, kws, None, props),
-                "props": props}
+        return {**records.public_record(object_id, lon, lat, ts, kws, None, None),
+                "props": records.props_object(props)}
 
     # --- subscriptions -------------------------------------------------------------------
     async def add_subscriptions(self, rows: list[Subscription]) -> None:

@@ -39,6 +39,13 @@ class SubscriptionCopy(msgspec.Struct, frozen=True):
     epoch: int = 0
 
 
+# A record's props on the internal wire, in the positions and in query replies: the compact
+# JSON text the api encoded once, when it validated them (`app.schemas.batch`), and that clients
+# get as it is (`records.public_record`). Entries and positions an earlier version wrote hold
+# the decoded object instead.
+Props = str | dict[str, Any] | None
+
+
 class ObjectBatch(msgspec.Struct, tag="obj", tag_field="t", omit_defaults=True, rename={
         "tenant": "tn", "sent_at": "at", "plan_version": "v", "ids": "id",
         "record_ids": "rid", "moving": "mv", "keywords": "kw", "text": "txt", "props": "pr",
@@ -65,7 +72,7 @@ class ObjectBatch(msgspec.Struct, tag="obj", tag_field="t", omit_defaults=True, 
     ts: list[float]
     keywords: list[list[str]]
     text: list[str | None]
-    props: list[dict[str, Any] | None]
+    props: list[Props]
     prev: list[Point | None]
     late: list[bool]  # older than the object's latest record: no position change
     exit_only: list[bool]
@@ -266,7 +273,7 @@ class FoundRecord(msgspec.Struct, array_like=True):
     ts: float
     keywords: list[str]
     text: str | None
-    props: dict[str, Any] | None
+    props: Props
     moving: bool
     at: float
     distance_m: float = 0.0

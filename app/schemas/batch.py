@@ -10,7 +10,7 @@ on generated input).
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, NamedTuple
 
 import msgspec
 import orjson
@@ -45,33 +45,47 @@ _batch = msgspec.json.Decoder(FastBatch)
 _object = msgspec.json.Decoder(FastObject)
 
 
-def _props_fit(objs: list[FastObject]) -> bool:
-    """Every `props` within MAX_PROPS_BYTES encoded (and encodable: an integer beyond 64 bits
-    is not)."""
+class Decoded(NamedTuple):
+    """A batch the decoder accepted: its objects, and each one's `props` as the compact JSON
+    text its size check encoded (None without props). The records carry that text on
+    (`records.records_from_objects`), so props are encoded once, here."""
+
+    objects: list[FastObject]
+    props: list[str | None]
+
+
+def _with_props(objs: list[FastObject]) -> Decoded | None:
+    """The objects with their props' JSON text, or None unless every `props` is within
+    MAX_PROPS_BYTES encoded (and encodable: an integer beyond 64 bits is not)."""
+    texts: list[str | None] = []
     for o in objs:
-        if o.props is not None:
-            try:
-                if len(orjson.dumps(o.props)) > MAX_PROPS_BYTES:
-                    return False
-            except (TypeError, orjson.JSONEncodeError):
-                return False
-    return True
+        if o.props is None:
+            texts.append(None)
+            continue
+        try:
+            encoded = orjson.dumps(o.props)
+        except (TypeError, orjson.JSONEncodeError):
+            return None
+        if len(encoded) > MAX_PROPS_BYTES:
+            return None
+        texts.append(encoded.decode())
+    return Decoded(objs, texts)
 
 
-def decode_batch(body: bytes) -> list[FastObject] | None:
+def decode_batch(body: bytes) -> Decoded | None:
     """The objects of a JSON batch (`{"objects": [...]}`), or None when anything is wrong
     with it (the caller then validates with pydantic for the error)."""
     try:
         objs = _batch.decode(body).objects
     except (msgspec.MsgspecError, UnicodeDecodeError):  # UTF-8 broken inside a string
         return None
-    return objs if _props_fit(objs) else None
+    return _with_props(objs)
 
 
-def decode_lines(lines: list[bytes]) -> list[FastObject] | None:
+def decode_lines(lines: list[bytes]) -> Decoded | None:
     """The objects of NDJSON lines (blank ones already left out), or None as above."""
     try:
         objs = [_object.decode(line) for line in lines]
     except (msgspec.MsgspecError, UnicodeDecodeError):  # UTF-8 broken inside a string
         return None
-    return objs if _props_fit(objs) else None
+    return _with_props(objs)

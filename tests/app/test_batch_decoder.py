@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from app.api.routes.objects import _parse_objects_slowly, parse_objects
 from app.core.errors import BadRequest, PayloadTooLarge
 from app.schemas import MAX_OBJECT_TTL_S
-from app.schemas.batch import decode_batch, decode_lines
+from app.schemas.batch import Decoded, decode_batch, decode_lines
 
 FIELDS = ("id", "lon", "lat", "ts", "text", "keywords", "props", "ttl_s")
 
@@ -94,15 +94,18 @@ def fields(objs: Any) -> list[dict[str, Any]]:
 BIG_INT = re.compile(rb"(?<![\d.eE+-])-?\d{19,}(?![\d.eE])")
 
 
-def agree(body: bytes, fast: Any, want: list[dict[str, Any]] | str) -> None:
+def agree(body: bytes, fast: Decoded | None, want: list[dict[str, Any]] | str) -> None:
     """What the decoder accepts, the models accept with the same values; what it refuses,
     the models refuse, except integers beyond 64 bits (which the models' JSON parser reads
-    as floats): those bodies take the models' path, and so get the models' answer."""
+    as floats): those bodies take the models' path, and so get the models' answer. The props
+    text the decoder hands on is the props as the records would encode them."""
     if fast is None:
         assert isinstance(want, str) or BIG_INT.search(body), (body, want)
     else:
         assert not isinstance(want, str), (body, want)
-        assert same(fields(fast), want), (body, fields(fast), want)
+        assert same(fields(fast.objects), want), (body, fields(fast.objects), want)
+        assert fast.props == [None if o["props"] is None else orjson.dumps(o["props"]).decode()
+                              for o in want], (body, fast.props)
 
 
 def same(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> bool:
@@ -152,11 +155,12 @@ def test_valid_batches_take_the_fast_path() -> None:
         {"id": "car-1", "lon": 2.35, "lat": 48.85, "ts": 1_700_000_000.5, "text": "Jam here",
          "keywords": ["traffic"], "props": {"speed": 12}, "ttl_s": 60},
         {"lon": -73.98, "lat": 40.75}]})
-    objs = parse_objects(body, "application/json", 10_000)
+    objs, props = parse_objects(body, "application/json", 10_000)
     assert all(type(o).__name__ == "FastObject" for o in objs)
+    assert props == ['{"speed":12}', None]  # encoded once, by the size check
     lines = b'{"lon": 1, "lat": 2}\n\n{"lon": 3, "lat": 4, "id": "x"}\n'
-    objs = parse_objects(lines, "application/x-ndjson", 10_000)
-    assert [type(o).__name__ for o in objs] == ["FastObject"] * 2
+    objs, props = parse_objects(lines, "application/x-ndjson", 10_000)
+    assert [type(o).__name__ for o in objs] == ["FastObject"] * 2 and props == [None, None]
     assert [o.lon for o in objs] == [1.0, 3.0]
     with pytest.raises(PayloadTooLarge):
         parse_objects(lines, "application/x-ndjson", 1)

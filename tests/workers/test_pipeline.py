@@ -219,6 +219,62 @@ def test_moving_object_position_is_last_writer_wins(pipeline: LiveServer) -> Non
     assert httpx.get(base + "/v1/objects/bus-1", headers=auth(other)).status_code == 404
 
 
+# props of every JSON shape: nested, unicode and escapes, floats, 64-bit ints, empty, null
+PROPS = [
+    {"price": 2, "menu": {"espresso": 1.5, "sizes": ["s", "m", "l"], "vegan": True},
+     "note": None},
+    {"name": "Café «Zürich» \u2603", "quote": "say \"hi\"\n\ttab", "n": -2**63,
+     "big": 2**64 - 1, "tiny": 5e-324, "exp": 1.5e300, "list": [[], {}, [1, [2]]]},
+    {},
+]
+
+
+def test_props_reach_every_reader_as_published(pipeline: LiveServer) -> None:
+    """Props travel as the JSON text the api encoded when it validated them: the match
+    messages, a snapshot query's results and a moving object's latest record give them back
+    equal to what was published (not as a string, not re-encoded into another value), and a
+    record without props has none. So do props that only the models' path accepts (an
+    integer beyond 64 bits, read as a float), which `records_from_objects` encodes."""
+    asyncio.run(_props_everywhere(pipeline))
+
+
+async def _props_everywhere(server: LiveServer) -> None:
+    key = server.new_key()
+    h = auth(key)
+    box = [9.0, 9.0, 11.0, 11.0]
+    async with httpx.AsyncClient(base_url=server.base_url, timeout=30) as client:
+        [sid], listener = await subscribe_listening(server, client, key, [
+            {"type": "range", "bbox": box}])
+        objs: list[dict[str, Any]] = [
+            {"id": f"cab-{i}", "lon": 10.0, "lat": 10.0 + i / 100, "props": p}
+            for i, p in enumerate(PROPS)]
+        objs += [{"lon": 10.1, "lat": 10.1, "props": PROPS[1]}, {"lon": 10.2, "lat": 10.2}]
+        r = await client.post("/v1/objects", json={"objects": objs}, headers=h)
+        assert r.status_code == 202, r.text
+        want: dict[str, Any] = {oid: o.get("props")
+                                for oid, o in zip(r.json()["ids"], objs, strict=True)}
+        big = b'{"objects":[{"id":"bus","lon":10.3,"lat":10.3,"props":{"n":1%s}}]}' % (
+            b"0" * 24)
+        r = await client.post("/v1/objects", content=big,
+                              headers={**h, "Content-Type": "application/json"})
+        assert r.status_code == 202, r.text
+        want["bus"] = {"n": 1e24}
+        try:
+            assert await wait_for(lambda: len(listener.matches()) == len(want))
+            got = {m["object"]["id"]: m["object"].get("props") for m in listener.matches()}
+            assert got == want and all(m["subscription"] == sid for m in listener.matches())
+            # a record without props has no `props` in its match (as before)
+            assert sum("props" not in m["object"] for m in listener.matches()) == 1
+        finally:
+            await listener.close()
+        q = await client.post("/v1/queries", json={"type": "range", "bbox": box}, headers=h)
+        assert q.status_code == 200, q.text
+        assert {rec["id"]: rec.get("props") for rec in q.json()["results"]} == want
+        for oid in ["cab-0", "cab-1", "cab-2", "bus"]:
+            r = await client.get(f"/v1/objects/{oid}", headers=h)
+            assert r.status_code == 200 and r.json()["props"] == want[oid], r.text
+
+
 async def _kill_and_resume(server: LiveServer) -> None:
     rng = random.Random(11)
     key = server.new_key()

@@ -46,19 +46,21 @@ _BODY_DOC = {
 }
 
 
-def parse_objects(body: bytes, content_type: str, max_batch: int) -> Sequence[ValidObject]:
+def parse_objects(body: bytes, content_type: str, max_batch: int
+                  ) -> tuple[Sequence[ValidObject], list[str | None] | None]:
     """Parse and validate the whole batch; raise before anything is accepted. A valid batch
-    is decoded in one step (`app.schemas.batch`); anything it refuses is validated again by
-    the models (`ObjectIn`), whose errors the client gets."""
+    is decoded in one step (`app.schemas.batch`), with its props' JSON text; anything it
+    refuses is validated again by the models (`ObjectIn`), whose errors the client gets (the
+    props are then encoded by `records_from_objects`)."""
     ndjson = "ndjson" in content_type or "jsonlines" in content_type
     if ndjson:
         lines = [line for line in body.splitlines() if line.strip()]
         fast = decode_lines(lines) if 0 < len(lines) <= max_batch else None
     else:
         fast = decode_batch(body)
-    if fast is not None and len(fast) <= max_batch:
+    if fast is not None and len(fast.objects) <= max_batch:
         return fast
-    return _parse_objects_slowly(body, ndjson, max_batch)
+    return _parse_objects_slowly(body, ndjson, max_batch), None
 
 
 def _parse_objects_slowly(body: bytes, ndjson: bool, max_batch: int) -> list[ObjectIn]:
@@ -128,8 +130,9 @@ async def publish(request: Request, state: StateDep, principal: TenantDep) -> Ob
     """Publish a batch of objects; 202 once the whole batch is durably queued."""
     started = time.perf_counter()
     body = await request.body()
-    objs = parse_objects(body, request.headers.get("content-type", ""), state.settings.max_batch)
-    batch = records_from_objects(objs, principal.tenant, time.time())
+    objs, props = parse_objects(body, request.headers.get("content-type", ""),
+                                state.settings.max_batch)
+    batch = records_from_objects(objs, principal.tenant, time.time(), props)
     validated = time.perf_counter()
     HOPS.observe("validate", validated - started, batch.size)
     await require_plan(state)
