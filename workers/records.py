@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -255,11 +256,13 @@ class BucketCells:
         self._ids: I64 = np.empty(0, dtype=np.int64)
         self._counts: I64 = np.empty(0, dtype=np.int64)
         self._pending: list[tuple[I64, I64]] = []
+        self.total = 0  # records counted
 
     def add(self, cells: I64, counts: I64) -> None:
         """Count `counts[i]` more records in `cells[i]` (distinct cells, ascending: as
         `np.unique` gives them)."""
         self._pending.append((cells, counts))
+        self.total += int(counts.sum())
 
     def encoded(self) -> tuple[bytes, bytes]:
         """The cell ids and counts as the wire carries them (little-endian int64)."""
@@ -305,6 +308,53 @@ class BucketCells:
             self._counts[at] += new_counts
 
 
+# A chunk's position above a coarse cell in `Stack.keys` (NX * NY < 2**23 cells).
+CELL_BITS = 23
+# A query reads the chunks added since the stack was made one by one, and makes it anew when
+# more than this many are.
+UNSTACKED = 8
+
+
+class Stack:
+    """The coarse-cell index of a tenant's chunks as one sorted array, so that a query finds
+    its cell runs in every chunk with one binary search: `keys` holds (position of the chunk
+    << CELL_BITS) | cell for each row of each indexed chunk (those of INDEXED_ROWS rows or
+    more, which `Chunk.rows_in` reads by their cells), chunk after chunk in each one's cell
+    order, and `rows` the chunk's row of each key. A window of an hour holds sixty buckets of
+    a chunk or more: a search per chunk cost more than all the rest of a small knn query."""
+
+    def __init__(self, chunks: list[Chunk]) -> None:
+        self.chunks = chunks
+        indexed = [i for i, c in enumerate(chunks) if c.order.size >= INDEXED_ROWS]
+        self.indexed = np.asarray(indexed, dtype=np.int64)
+        self.small = [i for i, c in enumerate(chunks) if c.order.size < INDEXED_ROWS]
+        if indexed:
+            self.keys: I64 = np.concatenate(
+                [(i << CELL_BITS) | chunks[i].cells for i in indexed])
+            self.rows: I64 = np.concatenate([chunks[i].order for i in indexed])
+        else:
+            self.keys = self.rows = np.empty(0, dtype=np.int64)
+
+    def rows_of_bounds(self, bounds: I64, upto: int) -> dict[int, I64]:
+        """`Chunk.rows_of_bounds` of each indexed chunk before position `upto` that has rows
+        in the runs, by position."""
+        at = self.indexed[self.indexed < upto]
+        if not at.size:
+            return {}
+        found = np.searchsorted(self.keys, ((at << CELL_BITS)[:, None] | bounds).ravel())
+        starts = found[0::2]
+        lens = found[1::2] - starts
+        np.maximum(lens, 0, out=lens)  # an empty run (xb < xa)
+        per_chunk = lens.reshape(at.size, -1).sum(axis=1)
+        hit = np.flatnonzero(per_chunk)
+        if not hit.size:
+            return {}
+        rows = self.rows[run_positions(starts, lens)]
+        ends = np.cumsum(per_chunk[hit]).tolist()
+        return {pos: rows[a:b] for pos, a, b in zip(at[hit].tolist(), [0, *ends[:-1]], ends,
+                                                     strict=True)}
+
+
 @dataclass
 class TenantRecords:
     """One tenant's records on this worker, oldest chunk first, and per moving object the
@@ -318,6 +368,43 @@ class TenantRecords:
     cell_counts: dict[int, BucketCells] = field(default_factory=dict)
     # (shared by the views of `after`)
     vocab: Vocabulary = field(default_factory=lambda: Vocabulary(time.time()))
+    # the chunks' index for queries (`rows_in`), made on demand; `_stacked`: how many of the
+    # first chunks are still those it was made of
+    _stack: Stack | None = field(default=None, repr=False, compare=False)
+    _stacked: int = field(default=0, repr=False, compare=False)
+
+    def rows_in(self, region: Region, as_of: float) -> Iterator[tuple[Chunk, I64]]:
+        """`Chunk.rows_in` of every chunk that arrived by `as_of` and has rows there, in chunk
+        order; those of the stacked chunks from one search of the stack (`Stack`)."""
+        chunks = self.chunks
+        if region.bounds is None:  # every row tested, chunk by chunk
+            for chunk in chunks:
+                if chunk.first_at <= as_of:
+                    rows = chunk.rows_in(region)
+                    if rows.size:
+                        yield chunk, rows
+            return
+        if self._stack is None or len(chunks) - self._stacked > UNSTACKED:
+            self._stack = Stack(list(chunks))
+            self._stacked = len(chunks)
+        stack, upto = self._stack, self._stacked
+        found = stack.rows_of_bounds(region.bounds, upto)
+        read = sorted({*found, *(i for i in stack.small if i < upto)}) + list(
+            range(upto, len(chunks)))
+        for i in read:
+            chunk = chunks[i]
+            if chunk.first_at > as_of:
+                continue
+            rows = found[i] if i in found else chunk.rows_in(region)
+            if rows.size:
+                yield chunk, rows
+
+    def _changed(self, first: int) -> None:
+        """Chunks from position `first` on are not those the stack was made of any more (from
+        the first: the stack goes, and the chunks it held with it)."""
+        self._stacked = min(self._stacked, first)
+        if first == 0:
+            self._stack = None
 
     def term_counts(self, selected: list[tuple[Chunk, I64]]) -> dict[str, int]:
         """How many times each keyword occurs in the rows selected of each chunk: one count
@@ -371,6 +458,7 @@ class TenantRecords:
                 return
             for _ in range(MERGE_FAN):
                 chunks.pop()
+            self._changed(len(chunks))
             chunks.append(Chunk.merge(newest))
 
     def compact(self) -> None:
@@ -395,6 +483,7 @@ class TenantRecords:
             rows += n
         flush()
         self.chunks = merged
+        self._changed(0)
 
     def after(self, bucket: int) -> TenantRecords:
         """These records without the chunks of buckets up to `bucket` (a view for one query:
@@ -402,6 +491,7 @@ class TenantRecords:
         if all(c.bucket > bucket for c in self.chunks):
             return self
         return replace(self, chunks=deque(c for c in self.chunks if c.bucket > bucket),
+                       _stack=None, _stacked=0,
                        floor=bucket)
 
     def expire(self, horizon: int, through: int) -> None:
@@ -410,6 +500,7 @@ class TenantRecords:
         for bucket in [b for b in self.cell_counts if b < horizon]:
             del self.cell_counts[bucket]
         while self.chunks and self.chunks[0].bucket <= through:
+            self._changed(0)
             chunk = self.chunks.popleft()
             self.size -= len(chunk.batch)
             for i in np.flatnonzero(chunk.moving).tolist():

@@ -288,10 +288,9 @@ def _candidates(records: TenantRecords, part: wire.QueryPart, region: Region
     window holds a chunk or more per bucket, sixty buckets an hour: a call per chunk cost
     more than the test)."""
     found = []
-    for chunk in records.chunks:
-        if chunk.first_at > part.as_of:
-            continue  # arrived after the query started: no round of it may see it
-        rows = _in_time(chunk, part, chunk.rows_in(region))
+    # (chunks that arrived after the query started are left out: no round of it may see them)
+    for chunk, rows in records.rows_in(region, part.as_of):
+        rows = _in_time(chunk, part, rows)
         if rows.size:
             found.append((chunk, rows))
     if not found:
@@ -317,6 +316,7 @@ def _wanted_rows(records: TenantRecords | None, part: wire.QueryPart
 
 FIRST_RADIUS_M = 1_000.0  # knn looks this far first, then 4x as far until it is sure
 FIRST_EXPECTED = 4  # or as far as the density of its grid cell puts this many times k records
+FIRST_BUCKETS = 4  # the density is read in the newest buckets' counts, scaled to the window
 WORLD_M = 2.1e7  # beyond half the circumference every point is within reach
 
 
@@ -326,13 +326,20 @@ def first_radius(records: TenantRecords, grid: Grid | None, px: float, py: float
     at the density of the point's cell of the global grid (the window's per-cell counts),
     so that one or two reads usually suffice, dense city or empty plain; FIRST_RADIUS_M
     without counts or records in that cell. Any radius gives the same answer (the search
-    grows until it is sure), only sooner."""
-    if grid is None or not records.cell_counts:
+    grows until it is sure), only sooner. The cell's records are counted in the newest
+    FIRST_BUCKETS buckets and scaled by the share of the window's records they hold: a window
+    of an hour has sixty buckets or more, and a lookup in each cost more than the rest of a
+    small knn query."""
+    buckets = records.cell_counts
+    if grid is None or not buckets:
         return FIRST_RADIUS_M
     cell = grid.cell_of_point(px, py)
-    n = sum(counts.get(cell, 0) for counts in records.cell_counts.values())
-    if not n:
+    newest = [buckets[b] for b in sorted(buckets)[-FIRST_BUCKETS:]]
+    seen = sum(counts.total for counts in newest)
+    found = sum(counts.get(cell, 0) for counts in newest)
+    if not found:
         return FIRST_RADIUS_M
+    n = found * sum(counts.total for counts in buckets.values()) / seen
     m_per_deg = math.pi * EARTH_RADIUS_M / 180
     area = (grid.cell_width * m_per_deg * max(0.01, math.cos(math.radians(py)))
             * grid.cell_height * m_per_deg)

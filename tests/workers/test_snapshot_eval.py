@@ -394,3 +394,80 @@ def test_a_large_old_vocabulary_is_renewed_and_terms_still_count() -> None:
     assert ask(w, q).terms == want
     listed = ask(w, wire.SnapshotQuery(type="keyword", keywords=["a"]), limit=100)
     assert sorted(r.id for r in listed.records) == sorted(f"o{i}" for i in range(0, 50, 3))
+
+
+def test_the_stack_reads_what_each_chunk_reads_as_the_window_changes() -> None:
+    """`TenantRecords.rows_in` (one search of the stack of chunks, the chunks added since one
+    by one) gives each chunk's own `Chunk.rows_in`, in chunk order, as the window changes
+    under it: entries added (fewer and more than UNSTACKED), the newest chunks merged as they
+    come (some of them stacked), a query's `as_of` before the last arrivals, the oldest
+    bucket expired, the window compacted."""
+    rng = np.random.default_rng(5)
+    w = RecordWindow(3600, 60)
+    regions = [records.Region.of((x, y, x + dx, y + dy))
+               for x, y, dx, dy in [(2.0, 48.5, 0.6, 0.5), (2.3, 48.8, 0.05, 0.05),
+                                    (-1.0, 47.0, 5.0, 1.0), (2.0, 48.5, 0.0, 0.0)]]
+    added = [0]
+
+    def add(entries: int, bucket: int) -> None:
+        for _ in range(entries):
+            n = int(rng.integers(1, 3)) * 50
+            a = added[0]
+            added[0] += n
+            w.add(wire.ObjectBatch(
+                tenant="t", sent_at=NOW + a / 1000, plan_version=1,
+                ids=[f"o{a + i}" for i in range(n)], record_ids=[f"r{a + i}" for i in range(n)],
+                moving=[False] * n, lon=rng.normal(2.35, 0.3, n).tolist(),
+                lat=rng.normal(48.85, 0.3, n).tolist(), ts=[NOW] * n, keywords=[[]] * n,
+                text=[None] * n, props=[None] * n, prev=[None] * n, late=[False] * n,
+                exit_only=[False] * n, decide_exit=[False] * n), bucket)
+
+    def check(as_of: float = NOW + 3600) -> None:
+        t = w.tenants["t"]
+        for region in regions:
+            want = [(c, c.rows_in(region)) for c in t.chunks if c.first_at <= as_of]
+            want = [(c, rows) for c, rows in want if rows.size]
+            got = list(t.rows_in(region, as_of))
+            assert [c for c, _ in got] == [c for c, _ in want]
+            assert all(np.array_equal(a, b) for (_, a), (_, b) in zip(got, want, strict=True))
+
+    add(20, 1)
+    check()
+    add(3, 1)  # fewer than UNSTACKED: read one by one, some merged with stacked ones
+    check()
+    check(as_of=NOW + (added[0] - 120) / 1000)
+    add(records.UNSTACKED + 5, 2)  # more: the stack is made anew
+    check()
+    w.tenants["t"].expire(w.horizon(NOW + 60 * 62), 1)  # the first bucket goes
+    assert all(c.bucket == 2 for c in w.tenants["t"].chunks)
+    check()
+    w.tenants["t"].compact()
+    check()
+    add(6, 3)
+    check()
+
+
+def test_knn_first_radius_reads_the_newest_buckets_scaled_to_the_window() -> None:
+    """With records spread evenly over ten buckets, the count in the newest FIRST_BUCKETS
+    scaled by their share of the window gives the radius the count of every bucket gives."""
+    from workers.snapshot import FIRST_EXPECTED, first_radius
+
+    grid = Grid()
+    rng = np.random.default_rng(9)
+    w = RecordWindow(3600, 60, grid)
+    for b in range(10):
+        n = 500
+        w.add(wire.ObjectBatch(
+            tenant="t", sent_at=NOW + b, plan_version=1, ids=[f"o{b}-{i}" for i in range(n)],
+            record_ids=[f"r{b}-{i}" for i in range(n)], moving=[False] * n,
+            lon=rng.normal(2.35, 0.01, n).tolist(), lat=rng.normal(48.85, 0.01, n).tolist(),
+            ts=[NOW] * n, keywords=[[]] * n, text=[None] * n, props=[None] * n,
+            prev=[None] * n, late=[False] * n, exit_only=[False] * n,
+            decide_exit=[False] * n), b)
+    t = w.tenants["t"]
+    cell = grid.cell_of_point(2.35, 48.85)
+    every = sum(c.get(cell, 0) for c in t.cell_counts.values())
+    area = (grid.cell_width * math.pi * 6_371_008.8 / 180 * math.cos(math.radians(48.85))
+            * grid.cell_height * math.pi * 6_371_008.8 / 180)
+    want = math.sqrt(FIRST_EXPECTED * 10 * area / (math.pi * every))
+    assert first_radius(t, grid, 2.35, 48.85, 10) == pytest.approx(want, rel=0.05)
