@@ -375,9 +375,11 @@ class TenantRecords:
 
     def rows_in(self, region: Region, as_of: float) -> Iterator[tuple[Chunk, I64]]:
         """`Chunk.rows_in` of every chunk that arrived by `as_of` and has rows there, in chunk
-        order; those of the stacked chunks from one search of the stack (`Stack`)."""
+        order; those of the stacked chunks from one search of the stack (`Stack`). A view of
+        `after` (made for one query) reads chunk by chunk: a stack of its own would cost it
+        more than it saves."""
         chunks = self.chunks
-        if region.bounds is None:  # every row tested, chunk by chunk
+        if region.bounds is None or self.floor != NO_CUT:  # chunk by chunk
             for chunk in chunks:
                 if chunk.first_at <= as_of:
                     rows = chunk.rows_in(region)

@@ -422,8 +422,8 @@ def test_the_stack_reads_what_each_chunk_reads_as_the_window_changes() -> None:
                 text=[None] * n, props=[None] * n, prev=[None] * n, late=[False] * n,
                 exit_only=[False] * n, decide_exit=[False] * n), bucket)
 
-    def check(as_of: float = NOW + 3600) -> None:
-        t = w.tenants["t"]
+    def check(as_of: float = NOW + 3600, floor: int | None = None) -> None:
+        t = w.tenants["t"] if floor is None else w.tenants["t"].after(floor)
         for region in regions:
             want = [(c, c.rows_in(region)) for c in t.chunks if c.first_at <= as_of]
             want = [(c, rows) for c, rows in want if rows.size]
@@ -445,6 +445,8 @@ def test_the_stack_reads_what_each_chunk_reads_as_the_window_changes() -> None:
     check()
     add(6, 3)
     check()
+    check(floor=2)  # a query's view without the older buckets
+    assert w.tenants["t"].after(2).chunks
 
 
 def test_knn_first_radius_reads_the_newest_buckets_scaled_to_the_window() -> None:
