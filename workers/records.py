@@ -11,9 +11,10 @@ worker reads its window back instead of losing it.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -310,9 +311,6 @@ class BucketCells:
 
 # A chunk's position above a coarse cell in `Stack.keys` (NX * NY < 2**23 cells).
 CELL_BITS = 23
-# A query reads the chunks added since the stack was made one by one, and makes it anew when
-# more than this many are.
-UNSTACKED = 8
 
 
 class Stack:
@@ -321,27 +319,65 @@ class Stack:
     << CELL_BITS) | cell for each row of each indexed chunk (those of INDEXED_ROWS rows or
     more, which `Chunk.rows_in` reads by their cells), chunk after chunk in each one's cell
     order, and `rows` the chunk's row of each key. A window of an hour holds sixty buckets of
-    a chunk or more: a search per chunk cost more than all the rest of a small knn query."""
+    a chunk or more: a search per chunk cost more than all the rest of a small knn query.
 
-    def __init__(self, chunks: list[Chunk]) -> None:
-        self.chunks = chunks
-        indexed = [i for i, c in enumerate(chunks) if c.order.size >= INDEXED_ROWS]
-        self.indexed = np.asarray(indexed, dtype=np.int64)
-        self.small = [i for i, c in enumerate(chunks) if c.order.size < INDEXED_ROWS]
-        if indexed:
-            self.keys: I64 = np.concatenate(
-                [(i << CELL_BITS) | chunks[i].cells for i in indexed])
-            self.rows: I64 = np.concatenate([chunks[i].order for i in indexed])
-        else:
-            self.keys = self.rows = np.empty(0, dtype=np.int64)
+    It grows at its end as chunks are added (arrays with room to spare: a new chunk's rows
+    are copied once), and is cut back to the chunks that are still the window's first ones
+    when newer ones were merged."""
 
-    def rows_of_bounds(self, bounds: I64, upto: int) -> dict[int, I64]:
-        """`Chunk.rows_of_bounds` of each indexed chunk before position `upto` that has rows
-        in the runs, by position."""
-        at = self.indexed[self.indexed < upto]
+    def __init__(self) -> None:
+        self.chunks: list[Chunk] = []  # (held: the positions stay theirs while it lives)
+        self.keys: I64 = np.empty(0, dtype=np.int64)  # the first `used` are in use
+        self.rows: I64 = np.empty(0, dtype=np.int64)
+        self.used = 0
+        self.ends: list[int] = []  # `used` after each chunk
+        self.indexed: I64 = np.empty(0, dtype=np.int64)  # positions of the indexed chunks
+        self.small: list[int] = []  # and of the others
+
+    def truncate(self, n: int) -> None:
+        """Keep the first `n` chunks."""
+        if n >= len(self.chunks):
+            return
+        self.used = self.ends[n - 1] if n else 0
+        del self.chunks[n:], self.ends[n:]
+        self.indexed = self.indexed[self.indexed < n]
+        self.small = [i for i in self.small if i < n]
+
+    def extend(self, chunks: Iterable[Chunk]) -> None:
+        """Stack these chunks after the ones held."""
+        keys, rows, indexed = [], [], []
+        used = self.used
+        for i, chunk in enumerate(chunks, len(self.chunks)):
+            self.chunks.append(chunk)
+            if chunk.order.size >= INDEXED_ROWS:
+                indexed.append(i)
+                keys.append((i << CELL_BITS) | chunk.cells)
+                rows.append(chunk.order)
+                used += chunk.order.size
+            else:
+                self.small.append(i)
+            self.ends.append(used)
+        if not keys:
+            return
+        if used > self.keys.size:
+            room = max(used, 2 * self.keys.size)
+            for name in ("keys", "rows"):
+                grown = np.empty(room, dtype=np.int64)
+                grown[:self.used] = getattr(self, name)[:self.used]
+                setattr(self, name, grown)
+        self.keys[self.used:used] = np.concatenate(keys)
+        self.rows[self.used:used] = np.concatenate(rows)
+        self.used = used
+        self.indexed = np.concatenate([self.indexed, np.asarray(indexed, dtype=np.int64)])
+
+    def rows_of_bounds(self, bounds: I64) -> dict[int, I64]:
+        """`Chunk.rows_of_bounds` of each indexed chunk that has rows in the runs, by
+        position."""
+        at = self.indexed
         if not at.size:
             return {}
-        found = np.searchsorted(self.keys, ((at << CELL_BITS)[:, None] | bounds).ravel())
+        found = np.searchsorted(self.keys[:self.used],
+                                ((at << CELL_BITS)[:, None] | bounds).ravel())
         starts = found[0::2]
         lens = found[1::2] - starts
         np.maximum(lens, 0, out=lens)  # an empty run (xb < xa)
@@ -368,8 +404,8 @@ class TenantRecords:
     cell_counts: dict[int, BucketCells] = field(default_factory=dict)
     # (shared by the views of `after`)
     vocab: Vocabulary = field(default_factory=lambda: Vocabulary(time.time()))
-    # the chunks' index for queries (`rows_in`), made on demand; `_stacked`: how many of the
-    # first chunks are still those it was made of
+    # the chunks' index for queries (`rows_in`), brought up to date by each query;
+    # `_stacked`: how many of the first chunks are still those it holds
     _stack: Stack | None = field(default=None, repr=False, compare=False)
     _stacked: int = field(default=0, repr=False, compare=False)
 
@@ -386,14 +422,15 @@ class TenantRecords:
                     if rows.size:
                         yield chunk, rows
             return
-        if self._stack is None or len(chunks) - self._stacked > UNSTACKED:
-            self._stack = Stack(list(chunks))
-            self._stacked = len(chunks)
-        stack, upto = self._stack, self._stacked
-        found = stack.rows_of_bounds(region.bounds, upto)
-        read = sorted({*found, *(i for i in stack.small if i < upto)}) + list(
-            range(upto, len(chunks)))
-        for i in read:
+        stack = self._stack
+        if stack is None:
+            stack = self._stack = Stack()
+        stack.truncate(self._stacked)
+        if len(chunks) > len(stack.chunks):
+            stack.extend(itertools.islice(chunks, len(stack.chunks), None))
+        self._stacked = len(chunks)
+        found = stack.rows_of_bounds(region.bounds)
+        for i in sorted({*found, *stack.small}):
             chunk = chunks[i]
             if chunk.first_at > as_of:
                 continue
@@ -470,8 +507,12 @@ class TenantRecords:
         run: list[Chunk] = []
         rows = 0
 
+        first = len(self.chunks)  # the first position whose chunk changes
+
         def flush() -> None:
+            nonlocal first
             if len(run) > 1:
+                first = min(first, len(merged))
                 merged.append(Chunk.merge(run))
             else:
                 merged.extend(run)
@@ -485,7 +526,7 @@ class TenantRecords:
             rows += n
         flush()
         self.chunks = merged
-        self._changed(0)
+        self._changed(first)
 
     def after(self, bucket: int) -> TenantRecords:
         """These records without the chunks of buckets up to `bucket` (a view for one query:

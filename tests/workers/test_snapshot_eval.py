@@ -397,11 +397,12 @@ def test_a_large_old_vocabulary_is_renewed_and_terms_still_count() -> None:
 
 
 def test_the_stack_reads_what_each_chunk_reads_as_the_window_changes() -> None:
-    """`TenantRecords.rows_in` (one search of the stack of chunks, the chunks added since one
-    by one) gives each chunk's own `Chunk.rows_in`, in chunk order, as the window changes
-    under it: entries added (fewer and more than UNSTACKED), the newest chunks merged as they
-    come (some of them stacked), a query's `as_of` before the last arrivals, the oldest
-    bucket expired, the window compacted."""
+    """`TenantRecords.rows_in` (one search of the stack of chunks) gives each chunk's own
+    `Chunk.rows_in`, in chunk order, as the window changes under it: entries added (the stack
+    grows at its end), the newest chunks merged as they come (some of them stacked: it is cut
+    back), a query's `as_of` before the last arrivals, the oldest bucket expired, the window
+    compacted (and compacted again, with nothing left to merge), a query's view without the
+    older buckets."""
     rng = np.random.default_rng(5)
     w = RecordWindow(3600, 60)
     regions = [records.Region.of((x, y, x + dx, y + dy))
@@ -433,13 +434,15 @@ def test_the_stack_reads_what_each_chunk_reads_as_the_window_changes() -> None:
 
     add(20, 1)
     check()
-    add(3, 1)  # fewer than UNSTACKED: read one by one, some merged with stacked ones
+    add(3, 1)  # merged with stacked chunks as they come
     check()
     check(as_of=NOW + (added[0] - 120) / 1000)
-    add(records.UNSTACKED + 5, 2)  # more: the stack is made anew
+    add(13, 2)
     check()
     w.tenants["t"].expire(w.horizon(NOW + 60 * 62), 1)  # the first bucket goes
     assert all(c.bucket == 2 for c in w.tenants["t"].chunks)
+    check()
+    w.tenants["t"].compact()
     check()
     w.tenants["t"].compact()
     check()
