@@ -1,13 +1,16 @@
 """Snapshot query benchmark: geoswarm's `POST /v1/queries` (range, range with keywords, knn,
-count) over N live records on a real cluster (embedded redis-server, one api process, worker
-processes), side by side in one run with Redis's own GEOSEARCH on the same points in a geo set
-(the peer a user would otherwise pick: `GEOSEARCH ... BYBOX|BYRADIUS ... ASC COUNT k`).
+knn with keywords, count) over N live records on a real cluster (embedded redis-server, one
+api process, worker processes), side by side in one run with Redis's own GEOSEARCH on the
+same points in a geo set (the peer a user would otherwise pick: `GEOSEARCH ... BYBOX|BYRADIUS
+... ASC COUNT k`).
 
 Queries are sent one at a time, alternating the two systems, so that both see the same
 machine load; each geoswarm range answer is checked against a brute-force count over the
 published points. Beside them, geoswarm alone: the 10 newest records of a large box and of
 a keyword anywhere, and the 10 most frequent terms of a large box (what GEOSEARCH cannot ask),
-checked against brute force too.
+checked against brute force too; and the k nearest records that have a keyword
+(`knn_keywords`: a record's own first keyword, so the nearest others that have it are often
+far away), checked against brute force.
 
 The timed requests go through a plain keep-alive HTTP/1.1 connection (`Lean`), as GEOSEARCH
 goes through redis-py: httpx's own work per request was 0.3-0.4 ms of a 2 ms query (side by
@@ -167,6 +170,10 @@ def _agrees(objs: dict[str, Any], kind: str, where: Any, got: Any, k: int,
         return bool(got == sorted(terms.items(), key=lambda tc: (-tc[1], tc[0]))[:10])
     if kind == "newest_keyword":
         return bool(got == objs["newest_ids"][where])
+    if kind == "knn_keywords":
+        rows = objs["having"][where[2]]
+        d = np.sort(haversine_m(where[0], where[1], objs["lon"][rows], objs["lat"][rows]))[:k]
+        return len(got) == d.size and bool(np.all(np.abs(np.asarray(got) - d) <= 0.01))
     d = haversine_m(where[0], where[1], objs["lon"], objs["lat"])
     return bool(abs(float(np.partition(d, k - 1)[k - 1]) - got) <= 0.01)
 
@@ -225,8 +232,9 @@ def run(records: int = 1_000_000, queries: int = 200, workers: int = 2, batch: i
             out["count_all"] = r["results"][0]["count"]
             times: dict[str, list[float]] = {n: [] for n in (
                 "range", "geosearch_box", "geosearch_box_http", "range_keywords", "knn",
-                "geosearch_knn", "geosearch_knn_http", "count_large_box", "newest_large_box",
-                "newest_keyword", "topk_terms_large_box", "http_floor", "publish_one")}
+                "geosearch_knn", "geosearch_knn_http", "knn_keywords", "count_large_box",
+                "newest_large_box", "newest_keyword", "topk_terms_large_box", "http_floor",
+                "publish_one")}
             # answers are checked after the timed loop: the brute force over every point
             # would leave the machine's caches cold for the next query
             checks: list[tuple[str, Any, Any]] = []
@@ -275,6 +283,14 @@ def run(records: int = 1_000_000, queries: int = 200, workers: int = 2, batch: i
                                               "m": max(1.0, far * 1.01)})
                 times["geosearch_knn_http"].append((time.perf_counter() - t) * 1000)
                 checks.append(("knn", [lon, lat], far))
+                # the k nearest that have a keyword (its own first: near ones are few, the
+                # search often reaches far)
+                t = time.perf_counter()
+                r = client.request("POST", "/v1/queries", {
+                    "type": "knn", "point": [lon, lat], "k": k, "keywords": [word]})
+                times["knn_keywords"].append((time.perf_counter() - t) * 1000)
+                checks.append(("knn_keywords", (lon, lat, word),
+                               [x["distance_m"] for x in r["results"]]))
                 large = world_box(lon - 10, lat - 5, lon + 10, lat + 5)
                 t = time.perf_counter()
                 client.request("POST", "/v1/queries", {"type": "count", "bbox": large})
@@ -321,12 +337,14 @@ def run(records: int = 1_000_000, queries: int = 200, workers: int = 2, batch: i
             peer.close()
             stop_processes([peer_proc])
         # each keyword asked: the ids of the 10 newest records that have it
-        asked: set[str] = {where for kind, where, _ in checks if kind == "newest_keyword"}
+        asked: set[str] = {where for kind, where, _ in checks if kind == "newest_keyword"} | {
+            where[2] for kind, where, _ in checks if kind == "knn_keywords"}
         having: dict[str, list[int]] = {w: [] for w in asked}
         for row, kws in enumerate(objs["keywords"]):
             for w in asked.intersection(kws):
                 having[w].append(row)
         objs["newest_ids"] = {w: newest(objs, ids, rows) for w, rows in having.items()}
+        objs["having"] = {w: np.asarray(rows, dtype=np.int64) for w, rows in having.items()}
         out["answers_differing_from_brute_force"] = sum(
             not _agrees(objs, kind, where, got, k, ids) for kind, where, got in checks)
         for name, ms in times.items():

@@ -16,7 +16,7 @@ import time
 from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -29,6 +29,8 @@ F64 = np.ndarray[Any, np.dtype[np.float64]]
 Bool = np.ndarray[Any, np.dtype[np.bool_]]
 I64 = np.ndarray[Any, np.dtype[np.int64]]
 I32 = np.ndarray[Any, np.dtype[np.int32]]
+U64 = np.ndarray[Any, np.dtype[np.uint64]]
+NO_ROWS: I32 = np.empty(0, dtype=np.int32)
 
 # The chunks' own coarse grid (0.1°, about 11 km): rows are kept sorted by its cell, so a query
 # region reads the slices of the cells it covers instead of every row.
@@ -71,6 +73,46 @@ class Vocabulary:
             got = self.ids[term] = len(self.terms)
             self.terms.append(term)
         return got
+
+
+def term_bits(ids: Any) -> U64:
+    """The two bits of each term id in a keywords' signature (`Chunk.signature`): a row
+    holds 2-6 of its 64 bits (most rows list three keywords or fewer), so a term it does not
+    hold has both of its bits there only now and then, even beside the commonest terms."""
+    ids = np.asarray(ids, dtype=np.int64)
+    one = np.uint64(1)
+    bits: U64 = (np.left_shift(one, (ids & 63).astype(np.uint64))
+            | np.left_shift(one, ((ids * 0x9E3779B1 >> 16) & 63).astype(np.uint64)))
+    return bits
+
+
+@dataclass(frozen=True)
+class Terms:
+    """A query's keyword predicate as signatures (`Chunk.signature`): the bits of each term
+    (every term known to the vocabulary), and whether every term must be held. `masks` empty:
+    no row can hold the terms (one is unknown, all of them are)."""
+
+    masks: tuple[int, ...]
+    match_all: bool
+
+    @staticmethod
+    def of(terms: Iterable[str], match_all: bool, vocab: Vocabulary) -> Terms:
+        ids = [vocab.ids.get(t) for t in terms]
+        known = [i for i in ids if i is not None]
+        if not known or (match_all and len(known) < len(ids)):
+            return Terms((), match_all)
+        bits = term_bits(known).tolist()
+        return Terms((int(np.bitwise_or.reduce(bits)),) if match_all else tuple(bits),
+                     match_all)
+
+    def may_hold(self, sig: U64) -> Bool:
+        """Which signatures may be those of rows holding the terms (every one that is, and a
+        few more)."""
+        out = np.zeros(sig.size, dtype=bool)
+        for mask in self.masks:
+            bits = np.uint64(mask)
+            out |= (sig & bits) == bits
+        return out
 
 
 def cell_range(bbox: tuple[float, float, float, float]) -> tuple[int, int, int, int]:
@@ -133,6 +175,7 @@ class Chunk:
     # (the vocabulary, term ids, rows) of `occurrences`, and the rows of each term id
     _occurrences: tuple[Vocabulary, I32, I32] | None = None
     _by_term: dict[int, I32] | None = None
+    _signature: tuple[Vocabulary, U64] | None = None  # (`signature`)
 
     def rows_in(self, region: Region) -> I64:
         """Rows (indices) including every row inside the region's bbox within its runs of
@@ -175,16 +218,24 @@ class Chunk:
             self._by_term = None
         return held[1], held[2]
 
-    def with_keywords(self, terms: frozenset[str], match_all: bool, vocab: Vocabulary) -> Bool:
-        """Which rows have every one of `terms` (`match_all`) or any of them: from the rows of
-        each term (an inverted index of the chunk, made from its `occurrences`)."""
+    def postings(self, vocab: Vocabulary) -> dict[int, I32]:
+        """The rows of each term id (an inverted index of the chunk, made from its
+        `occurrences` on first use; rows ascending, each once)."""
         ids, rows = self.occurrences(vocab)
         index = self._by_term
         if index is None:
-            order = np.argsort(ids, kind="stable")
-            present, starts = np.unique(ids[order], return_index=True)
-            split = np.split(rows[order], starts[1:]) if present.size else []
+            # (ids, then rows, ascending; a row listing a term twice keeps it once)
+            pairs = np.unique(ids.astype(np.int64) << 32 | rows.astype(np.int64))
+            ids, rows = (pairs >> 32).astype(np.int32), (pairs & 0xFFFFFFFF).astype(np.int32)
+            present, starts = np.unique(ids, return_index=True)
+            split = np.split(rows, starts[1:]) if present.size else []
             index = self._by_term = dict(zip(present.tolist(), split, strict=True))
+        return index
+
+    def with_keywords(self, terms: frozenset[str], match_all: bool, vocab: Vocabulary) -> Bool:
+        """Which rows have every one of `terms` (`match_all`) or any of them: from the rows of
+        each term (`postings`)."""
+        index = self.postings(vocab)
         n = self.ts.size
         wanted = [index.get(vocab.ids.get(term, -1)) for term in terms]
         if not match_all:
@@ -197,9 +248,56 @@ class Chunk:
         for found in wanted:
             if found is None:
                 return np.zeros(n, dtype=bool)
-            counts[np.unique(found)] += 1  # (a record may list a keyword twice)
+            counts[found] += 1
         held: Bool = counts == len(terms)
         return held
+
+    def rows_with(self, terms: frozenset[str], match_all: bool, vocab: Vocabulary) -> I32:
+        """The rows that hold every one of `terms` (`match_all`) or any of them, ascending:
+        from the rows of each term (`postings`)."""
+        index = self.postings(vocab)
+        found = [index.get(vocab.ids.get(term, -1)) for term in terms]
+        held = [f for f in found if f is not None]
+        if not held or (match_all and len(held) < len(found)):
+            return NO_ROWS
+        if len(held) == 1:
+            return held[0]
+        if not match_all:
+            return np.unique(np.concatenate(held))
+        rows = held[0]
+        for f in held[1:]:
+            rows = np.intersect1d(rows, f, assume_unique=True)
+        return rows
+
+    def holds(self, rows: I64, terms: frozenset[str], match_all: bool, vocab: Vocabulary
+              ) -> Bool:
+        """`with_keywords` of these rows only: each row looked up in each term's rows."""
+        index = self.postings(vocab)
+        out = np.full(rows.size, match_all)
+        for term in terms:
+            found = index.get(vocab.ids.get(term, -1))
+            if found is None:
+                has = np.zeros(rows.size, dtype=bool)
+            else:
+                at = np.minimum(np.searchsorted(found, rows), found.size - 1)
+                has = found[at] == rows
+            if match_all:
+                out &= has
+            else:
+                out |= has
+        return out
+
+    def signature(self, vocab: Vocabulary) -> U64:
+        """Each row's keywords in 64 bits: bit (id mod 64) of the id in `vocab` of each (a
+        row can hold a query's keywords only if it has their bits: a vectorised test that
+        leaves the exact one a few rows). Made on first use, again for another vocabulary."""
+        held = self._signature
+        if held is None or held[0] is not vocab:
+            ids, rows = self.occurrences(vocab)
+            sig = np.zeros(self.ts.size, dtype=np.uint64)
+            np.bitwise_or.at(sig, rows, term_bits(ids))
+            held = self._signature = (vocab, sig)
+        return held[1]
 
     def last_row(self) -> dict[tuple[str, float], int]:
         """(moving object id, ts) -> its last row in the chunk (built on first use)."""
@@ -237,13 +335,26 @@ class Chunk:
         by_cell = np.argsort(cells, kind="stable")
         order = np.concatenate([c.order + off for c, off in zip(chunks, offsets.tolist(),
                                                                  strict=True)])[by_cell]
-        return Chunk(bucket=chunks[0].bucket, at=at, first_at=float(at.min()),
-                     last_at=float(at.max()), batch=ObjectBatch.concat([c.batch for c in chunks]),
-                     lon=np.concatenate([c.lon for c in chunks]),
-                     lat=np.concatenate([c.lat for c in chunks]),
-                     ts=np.concatenate([c.ts for c in chunks]),
-                     moving=np.concatenate([c.moving for c in chunks]), order=order,
-                     cells=cells[by_cell])
+        merged = Chunk(bucket=chunks[0].bucket, at=at, first_at=float(at.min()),
+                       last_at=float(at.max()),
+                       batch=ObjectBatch.concat([c.batch for c in chunks]),
+                       lon=np.concatenate([c.lon for c in chunks]),
+                       lat=np.concatenate([c.lat for c in chunks]),
+                       ts=np.concatenate([c.ts for c in chunks]),
+                       moving=np.concatenate([c.moving for c in chunks]), order=order,
+                       cells=cells[by_cell])
+        # the keywords as the chunks had them listed (a pass over every row's keywords in
+        # Python, not made again), when all of them had, for one vocabulary
+        held = [c._occurrences for c in chunks]
+        vocab = held[0][0] if held[0] is not None else None
+        if vocab is not None and all(h is not None and h[0] is vocab for h in held):
+            merged._occurrences = (vocab, np.concatenate([h[1] for h in held if h]),
+                                   np.concatenate([h[2] + off for h, off in zip(
+                                       held, offsets.tolist(), strict=True) if h]))
+            sigs = [c._signature for c in chunks]
+            if all(g is not None and g[0] is vocab for g in sigs):
+                merged._signature = (vocab, np.concatenate([g[1] for g in sigs if g]))
+        return merged
 
 
 class BucketCells:
@@ -316,23 +427,36 @@ CELL_BITS = 23
 class Stack:
     """The coarse-cell index of a tenant's chunks as one sorted array, so that a query finds
     its cell runs in every chunk with one binary search: `keys` holds (position of the chunk
-    << CELL_BITS) | cell for each row of each indexed chunk (those of INDEXED_ROWS rows or
-    more, which `Chunk.rows_in` reads by their cells), chunk after chunk in each one's cell
+    << CELL_BITS) | cell for each row of each chunk, chunk after chunk in each one's cell
     order, and `rows` the chunk's row of each key. A window of an hour holds sixty buckets of
     a chunk or more: a search per chunk cost more than all the rest of a small knn query.
+    Beside each key are its row's columns (`COLUMNS`), so that the rows found are read with
+    one gather each, not one per chunk; and, once a query with keywords asked for them, its
+    keywords' `Chunk.signature` (`signatures`), to leave out rows without a query's keywords
+    before anything is gathered. Small chunks are stacked too (a worker's share of a bucket
+    can be a few thousand records: read row by row, such chunks cost more than the rest).
 
     It grows at its end as chunks are added (arrays with room to spare: a new chunk's rows
     are copied once), and is cut back to the chunks that are still the window's first ones
     when newer ones were merged."""
 
+    COLUMNS = ("keys", "rows", "lon", "lat", "ts", "at")
+
     def __init__(self) -> None:
         self.chunks: list[Chunk] = []  # (held: the positions stay theirs while it lives)
         self.keys: I64 = np.empty(0, dtype=np.int64)  # the first `used` are in use
         self.rows: I64 = np.empty(0, dtype=np.int64)
+        self.lon: F64 = np.empty(0, dtype=np.float64)
+        self.lat: F64 = np.empty(0, dtype=np.float64)
+        self.ts: F64 = np.empty(0, dtype=np.float64)
+        self.at: F64 = np.empty(0, dtype=np.float64)
         self.used = 0
         self.ends: list[int] = []  # `used` after each chunk
-        self.indexed: I64 = np.empty(0, dtype=np.int64)  # positions of the indexed chunks
-        self.small: list[int] = []  # and of the others
+        # the keywords' signatures of the first `signed` chunks' keys, and the vocabulary
+        # they were taken with
+        self.sig: U64 = np.empty(0, dtype=np.uint64)
+        self.signed = 0
+        self.sig_vocab: Vocabulary | None = None
 
     def truncate(self, n: int) -> None:
         """Keep the first `n` chunks."""
@@ -340,55 +464,112 @@ class Stack:
             return
         self.used = self.ends[n - 1] if n else 0
         del self.chunks[n:], self.ends[n:]
-        self.indexed = self.indexed[self.indexed < n]
-        self.small = [i for i in self.small if i < n]
+        self.signed = min(self.signed, n)
 
     def extend(self, chunks: Iterable[Chunk]) -> None:
         """Stack these chunks after the ones held."""
-        keys, rows, indexed = [], [], []
-        used = self.used
-        for i, chunk in enumerate(chunks, len(self.chunks)):
-            self.chunks.append(chunk)
-            if chunk.order.size >= INDEXED_ROWS:
-                indexed.append(i)
-                keys.append((i << CELL_BITS) | chunk.cells)
-                rows.append(chunk.order)
-                used += chunk.order.size
-            else:
-                self.small.append(i)
-            self.ends.append(used)
-        if not keys:
+        first = len(self.chunks)
+        self.chunks.extend(chunks)
+        added = self.chunks[first:]
+        if not added:
             return
+        used = self.used + sum(c.order.size for c in added)
         if used > self.keys.size:
             room = max(used, 2 * self.keys.size)
-            for name in ("keys", "rows"):
-                grown = np.empty(room, dtype=np.int64)
-                grown[:self.used] = getattr(self, name)[:self.used]
+            for name in self.COLUMNS:
+                old = getattr(self, name)
+                grown = np.empty(room, dtype=old.dtype)
+                grown[:self.used] = old[:self.used]
                 setattr(self, name, grown)
-        self.keys[self.used:used] = np.concatenate(keys)
-        self.rows[self.used:used] = np.concatenate(rows)
+        a = self.used
+        for i, chunk in enumerate(added, first):
+            b = a + chunk.order.size
+            order = chunk.order
+            self.keys[a:b] = (i << CELL_BITS) | chunk.cells
+            self.rows[a:b] = order
+            self.lon[a:b] = chunk.lon[order]
+            self.lat[a:b] = chunk.lat[order]
+            self.ts[a:b] = chunk.ts[order]
+            self.at[a:b] = chunk.at[order]
+            self.ends.append(b)
+            a = b
         self.used = used
-        self.indexed = np.concatenate([self.indexed, np.asarray(indexed, dtype=np.int64)])
 
-    def rows_of_bounds(self, bounds: I64) -> dict[int, I64]:
-        """`Chunk.rows_of_bounds` of each indexed chunk that has rows in the runs, by
-        position."""
-        at = self.indexed
-        if not at.size:
-            return {}
-        found = np.searchsorted(self.keys[:self.used],
-                                ((at << CELL_BITS)[:, None] | bounds).ravel())
+    def signatures(self, vocab: Vocabulary) -> U64:
+        """The keywords' signature of every key (`Chunk.signature`), taken for the chunks
+        not yet signed (all of them again under another vocabulary)."""
+        if self.sig_vocab is not vocab:
+            self.sig_vocab, self.signed = vocab, 0
+        if self.sig.size < self.keys.size:
+            kept = self.ends[self.signed - 1] if self.signed else 0
+            grown = np.empty(self.keys.size, dtype=np.uint64)
+            grown[:kept] = self.sig[:kept]
+            self.sig = grown
+        for i in range(self.signed, len(self.chunks)):
+            chunk = self.chunks[i]
+            b = self.ends[i]
+            self.sig[b - chunk.order.size:b] = chunk.signature(vocab)[chunk.order]
+        self.signed = len(self.chunks)
+        return self.sig
+
+    def positions(self, bounds: I64) -> I64:
+        """The positions in the stack of the rows of every chunk in the coarse-cell runs
+        whose bounds `run_bounds` made, chunk after chunk."""
+        n = len(self.chunks)
+        if not n:
+            return np.empty(0, dtype=np.int64)
+        found = np.searchsorted(self.keys[:self.used], (
+            (np.arange(n, dtype=np.int64) << CELL_BITS)[:, None] | bounds).ravel())
         starts = found[0::2]
         lens = found[1::2] - starts
         np.maximum(lens, 0, out=lens)  # an empty run (xb < xa)
-        per_chunk = lens.reshape(at.size, -1).sum(axis=1)
-        hit = np.flatnonzero(per_chunk)
-        if not hit.size:
-            return {}
-        rows = self.rows[run_positions(starts, lens)]
-        ends = np.cumsum(per_chunk[hit]).tolist()
-        return {pos: rows[a:b] for pos, a, b in zip(at[hit].tolist(), [0, *ends[:-1]], ends,
-                                                     strict=True)}
+        return run_positions(starts, lens)
+
+
+class Flat(NamedTuple):
+    """Rows of a tenant's chunks read for a query, in one array per column, chunk after chunk
+    in chunk order: row `row[j]` of chunk `chunks[which[j]]`, at (`lon[j]`, `lat[j]`), of time
+    `ts[j]`, accepted at `at[j]`."""
+
+    chunks: list[Chunk]
+    which: I64
+    row: I64
+    lon: F64
+    lat: F64
+    ts: F64
+    at: F64
+
+    def __len__(self) -> int:
+        return int(self.row.size)
+
+    def take(self, keep: Any) -> Flat:
+        """These rows less those `keep` (a mask or positions) leaves out."""
+        return Flat(self.chunks, self.which[keep], self.row[keep], self.lon[keep],
+                    self.lat[keep], self.ts[keep], self.at[keep])
+
+    def groups(self) -> Iterator[tuple[Chunk, I64]]:
+        """Each chunk with rows here and its rows."""
+        which = self.which
+        if not which.size:
+            return
+        cuts = (np.flatnonzero(which[1:] != which[:-1]) + 1).tolist()
+        for a, b in zip([0, *cuts], [*cuts, which.size], strict=True):
+            yield self.chunks[int(which[a])], self.row[a:b]
+
+    @staticmethod
+    def of_rows(chunks: list[Chunk], found: list[tuple[int, I64 | I32]]) -> Flat:
+        """The rows `found` of chunks by position (in position order), columns gathered."""
+        found = [(i, rows) for i, rows in found if rows.size]
+        if not found:
+            e = np.empty(0, dtype=np.float64)
+            return Flat(chunks, np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64),
+                        e, e, e, e)
+        which = np.repeat(np.asarray([i for i, _ in found], dtype=np.int64),
+                          [rows.size for _, rows in found])
+        row = np.concatenate([rows for _, rows in found])
+        lon, lat, ts, at = (np.concatenate([getattr(chunks[i], name)[rows] for i, rows in found])
+                            for name in ("lon", "lat", "ts", "at"))
+        return Flat(chunks, which, row, lon, lat, ts, at)
 
 
 @dataclass
@@ -408,40 +589,70 @@ class TenantRecords:
     # `_stacked`: how many of the first chunks are still those it holds
     _stack: Stack | None = field(default=None, repr=False, compare=False)
     _stacked: int = field(default=0, repr=False, compare=False)
+    _oldest: int | None = field(default=None, repr=False, compare=False)  # (`oldest_bucket`)
 
-    def rows_in(self, region: Region, as_of: float) -> Iterator[tuple[Chunk, I64]]:
-        """`Chunk.rows_in` of every chunk that arrived by `as_of` and has rows there, in chunk
-        order; those of the stacked chunks from one search of the stack (`Stack`). A view of
-        `after` (made for one query) reads chunk by chunk: a stack of its own would cost it
-        more than it saves."""
-        chunks = self.chunks
-        if region.bounds is None or self.floor != NO_CUT:  # chunk by chunk
-            for chunk in chunks:
-                if chunk.first_at <= as_of:
-                    rows = chunk.rows_in(region)
-                    if rows.size:
-                        yield chunk, rows
-            return
-        stack = self._stack
-        if stack is None:
-            stack = self._stack = Stack()
-        stack.truncate(self._stacked)
-        if len(chunks) > len(stack.chunks):
-            stack.extend(itertools.islice(chunks, len(stack.chunks), None))
-        self._stacked = len(chunks)
-        found = stack.rows_of_bounds(region.bounds)
-        for i in sorted({*found, *stack.small}):
-            chunk = chunks[i]
-            if chunk.first_at > as_of:
-                continue
-            rows = found[i] if i in found else chunk.rows_in(region)
-            if rows.size:
-                yield chunk, rows
+    def read(self, region: Region, as_of: float,
+             keywords: tuple[frozenset[str], bool] | None = None) -> Flat:
+        """`Chunk.rows_in` of every chunk, as one `Flat` of the rows that arrived by `as_of`;
+        with `keywords` (terms, match_all), only those whose keywords' signature may hold
+        them (tested before anything is gathered). Those of the stacked chunks come from one
+        search of the stack (`Stack`), or, for a region without cell runs, one test of every
+        row of it; and with keywords there, from the rows of the keywords in each chunk (a
+        tall region is a knn's last rounds, for a rare keyword: in a few chunks, a few rows).
+        A view of `after` (made for one query) reads chunk by chunk: a stack of its own
+        would cost it more than it saves."""
+        if keywords is not None and region.bounds is None:
+            chunks = list(self.chunks)
+            flat = Flat.of_rows(chunks, [(i, c.rows_with(*keywords, self.vocab))
+                                         for i, c in enumerate(chunks) if c.first_at <= as_of])
+            flat = flat.take(bbox_contains(region.bbox, flat.lon, flat.lat))
+        elif self.floor != NO_CUT:  # chunk by chunk
+            chunks = list(self.chunks)
+            terms = None
+            if keywords is not None:
+                for c in chunks:  # (the vocabulary knows the terms of the chunks signed)
+                    c.signature(self.vocab)
+                terms = Terms.of(*keywords, self.vocab)
+            flat = Flat.of_rows(chunks, [(i, self._rows_of(c, region, terms))
+                                         for i, c in enumerate(chunks) if c.first_at <= as_of])
+        else:
+            stack = self._stack
+            if stack is None:
+                stack = self._stack = Stack()
+            stack.truncate(self._stacked)
+            if len(self.chunks) > len(stack.chunks):
+                stack.extend(itertools.islice(self.chunks, len(stack.chunks), None))
+            self._stacked = len(self.chunks)
+            chunks = stack.chunks
+            if region.bounds is None:
+                at = np.flatnonzero(bbox_contains(region.bbox, stack.lon[:stack.used],
+                                                  stack.lat[:stack.used]))
+            else:
+                at = stack.positions(region.bounds)
+                if keywords is not None:
+                    sig = stack.signatures(self.vocab)
+                    at = at[Terms.of(*keywords, self.vocab).may_hold(sig[at])]
+            flat = Flat(chunks, stack.keys[at] >> CELL_BITS, stack.rows[at], stack.lon[at],
+                        stack.lat[at], stack.ts[at], stack.at[at])
+        if flat.at.size and float(flat.at.max()) > as_of:
+            flat = flat.take(flat.at <= as_of)
+        return flat
+
+    def _rows_of(self, chunk: Chunk, region: Region, terms: Terms | None) -> I64:
+        rows = chunk.rows_in(region)
+        return rows if terms is None else rows[terms.may_hold(chunk.signature(self.vocab)[rows])]
+
+    def oldest_bucket(self) -> int | None:
+        """The oldest bucket of the chunks (None without chunks)."""
+        if self._oldest is None and self.chunks:
+            self._oldest = min(c.bucket for c in self.chunks)
+        return self._oldest
 
     def _changed(self, first: int) -> None:
         """Chunks from position `first` on are not those the stack was made of any more (from
         the first: the stack goes, and the chunks it held with it)."""
         self._stacked = min(self._stacked, first)
+        self._oldest = None
         if first == 0:
             self._stack = None
 
@@ -474,6 +685,7 @@ class TenantRecords:
 
     def add(self, chunk: Chunk) -> None:
         self.chunks.append(chunk)
+        self._oldest = None
         self.size += len(chunk.batch)
         for i in np.flatnonzero(chunk.moving).tolist():
             oid = chunk.batch.ids[i]
@@ -531,11 +743,11 @@ class TenantRecords:
     def after(self, bucket: int) -> TenantRecords:
         """These records without the chunks of buckets up to `bucket` (a view for one query:
         the chunks are shared)."""
-        if all(c.bucket > bucket for c in self.chunks):
+        oldest = self.oldest_bucket()
+        if oldest is None or oldest > bucket:
             return self
         return replace(self, chunks=deque(c for c in self.chunks if c.bucket > bucket),
-                       _stack=None, _stacked=0,
-                       floor=bucket)
+                       _stack=None, _stacked=0, _oldest=None, floor=bucket)
 
     def expire(self, horizon: int, through: int) -> None:
         """Forget the counts of buckets before `horizon`, and drop the oldest chunks while

@@ -22,7 +22,16 @@ from app.archive.layout import NO_CUT
 from app.geo.geometry import EARTH_RADIUS_M, bbox_contains, circle_bbox, haversine_m
 from app.geo.grid import Grid
 from app.pipeline import wire
-from workers.records import CELL_DEG, I64, Chunk, Region, TenantRecords, cell_range, run_bounds
+from workers.records import (
+    CELL_DEG,
+    I64,
+    Chunk,
+    Flat,
+    Region,
+    TenantRecords,
+    cell_range,
+    run_bounds,
+)
 
 Row = tuple[Chunk, int]
 
@@ -95,7 +104,8 @@ def _count_border(records: TenantRecords | None, part: wire.QueryPart, grid: Gri
     rx0, rx1 = grid.bounds[0] + x0 * w, grid.bounds[0] + (x1 + 1) * w
     ry0, ry1 = grid.bounds[1] + y0 * h, grid.bounds[1] + (y1 + 1) * h
     region = Region(q.bbox, run_bounds(*border_runs((b0, b1, b2, b3), (rx0, ry0, rx1, ry1))))
-    _, x, y = _candidates(records, part, region)
+    flat = _candidates(records, part, region)
+    x, y = flat.lon, flat.lat
     return int(np.count_nonzero(bbox_contains(q.bbox, x, y)
                                 & ~_in_cells(grid, q.skip_cells, x, y)))
 
@@ -166,15 +176,6 @@ def _up_to_kth(values: Any, limit: int) -> I64:
     return np.argsort(values, kind="stable")
 
 
-def _flattened(found: list[tuple[Chunk, I64]]) -> tuple[I64, I64]:
-    """Every row of the chunks' row lists in one array, and beside each, the position of its
-    chunk in `found`."""
-    if not found:
-        return np.empty(0, np.int64), np.empty(0, np.int64)
-    return (np.concatenate([rows for _, rows in found]),
-            np.repeat(np.arange(len(found), dtype=np.int64), [r.size for _, r in found]))
-
-
 def _newest(records: TenantRecords | None, part: wire.QueryPart, worker: str
             ) -> wire.QueryReply:
     """range and keyword: the `part.limit` newest rows that satisfy the query (every one
@@ -184,11 +185,11 @@ def _newest(records: TenantRecords | None, part: wire.QueryPart, worker: str
     common keyword reads a few rows of Python, not every row of the region."""
     if records is None:
         return wire.QueryReply(worker=worker)
-    found = [(chunk, rows) for chunk, rows in _wanted_rows(records, part) if rows.size]
-    if not found:
+    found = _wanted(records, part)
+    if not len(found):
         return wire.QueryReply(worker=worker)
-    row, which = _flattened(found)
-    age = -np.concatenate([chunk.ts[rows] for chunk, rows in found])
+    chunks, which, row = found.chunks, found.which, found.row
+    age = -found.ts
     limit = part.limit
     # sorted as the aggregator merges: (newest first, id, latest arrival first)
     taken: list[tuple[float, str, float, Row]] = []
@@ -196,12 +197,12 @@ def _newest(records: TenantRecords | None, part: wire.QueryPart, worker: str
     if not part.query.latest:
         # every row is accepted: those up to the limit-th age, ties included
         for j in _up_to_kth(age, limit if limit else age.size).tolist():
-            chunk, i = found[which[j]][0], int(row[j])
-            taken.append((float(age[j]), chunk.batch.ids[i], -float(chunk.at[i]), (chunk, i)))
+            chunk, i = chunks[which[j]], int(row[j])
+            taken.append((float(age[j]), chunk.batch.ids[i], -float(found.at[j]), (chunk, i)))
         more = bool(limit) and age.size > limit
     else:
         for j in _ascending(age, limit):
-            chunk, i = found[which[j]][0], int(row[j])
+            chunk, i = chunks[which[j]], int(row[j])
             if not _accepts(records, part, NO_TERMS, chunk, i):
                 continue
             a = float(age[j])
@@ -210,7 +211,7 @@ def _newest(records: TenantRecords | None, part: wire.QueryPart, worker: str
                 # left)
                 more = True
                 break
-            taken.append((a, chunk.batch.ids[i], -float(chunk.at[i]), (chunk, i)))
+            taken.append((a, chunk.batch.ids[i], -float(found.at[j]), (chunk, i)))
         more = more or (bool(limit) and len(taken) > limit)
     taken.sort(key=lambda t: t[:3])
     out = [_found(*t[3]) for t in (taken[:limit] if limit else taken)]
@@ -250,68 +251,90 @@ def _accepts(records: TenantRecords, part: wire.QueryPart, wanted: frozenset[str
     return not (q.latest and chunk.moving[i] and not _latest_here(records, chunk, i, part))
 
 
-def _region_rows(records: TenantRecords | None, part: wire.QueryPart
-                 ) -> Iterator[tuple[Chunk, Any]]:
-    """Per chunk seen by the query (arrived by `as_of`), the rows within its time range and
-    region: the rows of the cells the region covers (`_candidates`), tested against the
-    region in one vectorised call over all of them."""
-    if records is None:
-        return
-    q = part.query
-    if q.bbox is None and q.circle is None:
-        for chunk in records.chunks:
-            if chunk.first_at <= part.as_of:
-                yield chunk, _in_time(chunk, part, np.arange(chunk.ts.size, dtype=np.int64))
-        return
+def _region(q: wire.SnapshotQuery) -> Region | None:
+    """The region of a query's bbox or circle (None without one)."""
     if q.bbox is not None:
-        region = Region.of(q.bbox)
-    else:
-        assert q.circle is not None
-        region = Region.of(circle_bbox(*q.circle))
-    found, lon, lat = _candidates(records, part, region)
-    if q.bbox is not None:
-        inside = bbox_contains(q.bbox, lon, lat)
-    else:
-        assert q.circle is not None
-        inside = haversine_m(q.circle[0], q.circle[1], lon, lat) <= q.circle[2]
-    at = 0
-    for chunk, rows in found:
-        yield chunk, rows[inside[at:at + rows.size]]
-        at += rows.size
+        return Region.of(q.bbox)
+    if q.circle is not None:
+        return Region.of(circle_bbox(*q.circle))
+    return None
 
 
-def _candidates(records: TenantRecords, part: wire.QueryPart, region: Region
-                ) -> tuple[list[tuple[Chunk, I64]], Any, Any]:
+def _inside(q: wire.SnapshotQuery, flat: Flat) -> Any:
+    """Which rows lie in the query's bbox or circle."""
+    if q.bbox is not None:
+        return bbox_contains(q.bbox, flat.lon, flat.lat)
+    assert q.circle is not None
+    return haversine_m(q.circle[0], q.circle[1], flat.lon, flat.lat) <= q.circle[2]
+
+
+def _candidates(records: TenantRecords, part: wire.QueryPart, region: Region,
+                keywords: bool = False) -> Flat:
     """The rows each chunk seen by the query (arrived by `as_of`) reads for `region`
-    (`Chunk.rows_in`) within the query's time range, chunks without any left out, and those
-    rows' longitudes and latitudes joined: the caller tests them in one vectorised call (a
-    window holds a chunk or more per bucket, sixty buckets an hour: a call per chunk cost
-    more than the test)."""
-    found = []
-    # (chunks that arrived after the query started are left out: no round of it may see them)
-    for chunk, rows in records.rows_in(region, part.as_of):
-        rows = _in_time(chunk, part, rows)
-        if rows.size:
-            found.append((chunk, rows))
-    if not found:
-        return found, np.empty(0), np.empty(0)
-    return (found, np.concatenate([chunk.lon[rows] for chunk, rows in found]),
-            np.concatenate([chunk.lat[rows] for chunk, rows in found]))
+    (`TenantRecords.read`: every row of the cells it covers, in one array per column, less,
+    with `keywords`, those whose keywords' signature cannot hold the query's) within its
+    time range: the
+    caller tests them in one vectorised call (a window holds a chunk or more per bucket,
+    sixty buckets an hour: a call per chunk cost more than the test)."""
+    q = part.query
+    flat = records.read(region, part.as_of,
+                        (frozenset(q.keywords), q.match_all) if keywords else None)
+    if q.t_from is not None or q.t_to is not None:
+        keep = np.ones(len(flat), dtype=bool)
+        if q.t_from is not None:
+            keep &= flat.ts >= q.t_from
+        if q.t_to is not None:
+            keep &= flat.ts <= q.t_to
+        flat = flat.take(keep)
+    return flat
+
+
+def _wanted(records: TenantRecords, part: wire.QueryPart) -> Flat:
+    """The rows that satisfy the query's region, time range and keywords (not yet checked for
+    `latest`), in one `Flat`."""
+    q = part.query
+    region = _region(q)
+    if region is None:
+        chunks = list(records.chunks)
+        return Flat.of_rows(chunks, list(_whole_chunks(records, part, chunks)))
+    flat = _candidates(records, part, region, bool(q.keywords))
+    flat = flat.take(_inside(q, flat))
+    return _holding(records, flat, frozenset(q.keywords), q.match_all) if q.keywords else flat
+
+
+def _whole_chunks(records: TenantRecords, part: wire.QueryPart, chunks: list[Chunk]
+                  ) -> Iterator[tuple[int, I64]]:
+    """Without a region: the rows of each chunk seen by the query (by position) within its
+    time range that hold its keywords."""
+    q = part.query
+    terms = frozenset(q.keywords)
+    for i, chunk in enumerate(chunks):
+        if chunk.first_at <= part.as_of:
+            rows = _in_time(chunk, part, np.arange(chunk.ts.size, dtype=np.int64))
+            if terms and rows.size:
+                rows = rows[chunk.with_keywords(terms, q.match_all, records.vocab)[rows]]
+            yield i, rows
+
+
+def _holding(records: TenantRecords, flat: Flat, terms: frozenset[str], match_all: bool
+             ) -> Flat:
+    """The rows of `flat` that hold the keywords (`Chunk.holds`, chunk by chunk)."""
+    keep = [chunk.holds(rows, terms, match_all, records.vocab) for chunk, rows in flat.groups()]
+    return flat.take(np.concatenate(keep)) if keep else flat
 
 
 def _wanted_rows(records: TenantRecords | None, part: wire.QueryPart
                  ) -> Iterator[tuple[Chunk, Any]]:
-    """`_region_rows` that also hold the query's keywords (not yet checked for `latest`)."""
-    q = part.query
+    """`_wanted`'s rows chunk by chunk (without a region, straight from each chunk's)."""
     if records is None:
         return
-    if not q.keywords:
-        yield from _region_rows(records, part)
+    q = part.query
+    if q.bbox is None and q.circle is None:
+        chunks = list(records.chunks)
+        for i, rows in _whole_chunks(records, part, chunks):
+            yield chunks[i], rows
         return
-    terms = frozenset(q.keywords)
-    for chunk, rows in _region_rows(records, part):
-        if rows.size:
-            yield chunk, rows[chunk.with_keywords(terms, q.match_all, records.vocab)[rows]]
+    yield from _wanted(records, part).groups()
 
 
 FIRST_RADIUS_M = 1_000.0  # knn looks this far first, then 4x as far until it is sure
@@ -366,15 +389,19 @@ def _nearest(records: TenantRecords | None, part: wire.QueryPart, worker: str,
     while True:
         world = radius >= WORLD_M
         last = world or (cap is not None and radius >= cap)
-        near, lon, lat = _candidates(records, part,
-                                     Region.of(circle_bbox(px, py, min(radius, WORLD_M))))
-        chunks = [chunk for chunk, _ in near]
-        row, which = _flattened(near)
-        dist = haversine_m(px, py, lon, lat)
+        region = Region.of(circle_bbox(px, py, min(radius, WORLD_M)))
+        if wanted and region.bounds is None and not last:
+            # a tall region's rows are those of the keywords in every chunk (`read`): as
+            # many as the world's or the cap's, read once
+            radius = WORLD_M if cap is None else cap
+            continue
+        # (rows whose keywords' signature cannot hold the keywords are left out as read)
+        near = _candidates(records, part, region, bool(wanted))
+        dist = haversine_m(px, py, near.lon, near.lat)
         if not world:
             keep = dist <= radius
-            which, row, dist = which[keep], row[keep], dist[keep]
-        taken, more = _take_nearest(records, part, wanted, limit, chunks, which, row, dist)
+            near, dist = near.take(keep), dist[keep]
+        taken, more = _take_nearest(records, part, wanted, limit, near, dist)
         if last or more:
             break
         radius = radius * 4 if cap is None else min(radius * 4, cap)
@@ -387,11 +414,12 @@ def _nearest(records: TenantRecords | None, part: wire.QueryPart, worker: str,
 
 
 def _take_nearest(records: TenantRecords, part: wire.QueryPart, wanted: frozenset[str],
-                  limit: int, chunks: list[Chunk], which: I64, row: I64, dist: Any
+                  limit: int, near: Flat, dist: Any
                   ) -> tuple[list[tuple[float, str, float, float, Row]], bool]:
     """The accepted rows up to the limit-th distance (ties included), sorted as the
-    aggregator merges them, and whether one more accepted row lies beyond (candidates: row
-    `row[j]` of chunk `chunks[which[j]]` at `dist[j]`)."""
+    aggregator merges them, and whether one more accepted row lies beyond (candidates: the
+    rows of `near`, at `dist`)."""
+    chunks, which, row = near.chunks, near.which, near.row
     # sorted as the aggregator merges: (distance, id, newest record first, latest arrival)
     taken: list[tuple[float, str, float, float, Row]] = []
     if not wanted and not part.query.latest:
@@ -399,8 +427,8 @@ def _take_nearest(records: TenantRecords, part: wire.QueryPart, wanted: frozense
         # more lie beyond (or among the ties) when there are more candidates than the limit
         for j in _up_to_kth(dist, limit).tolist():
             chunk, i = chunks[which[j]], int(row[j])
-            taken.append((float(dist[j]), chunk.batch.ids[i], -chunk.batch.ts[i],
-                          -float(chunk.at[i]), (chunk, i)))
+            taken.append((float(dist[j]), chunk.batch.ids[i], -float(near.ts[j]),
+                          -float(near.at[j]), (chunk, i)))
         taken.sort(key=lambda t: t[:4])
         return taken, dist.size > limit
     more = False
@@ -412,7 +440,7 @@ def _take_nearest(records: TenantRecords, part: wire.QueryPart, wanted: frozense
         if len(taken) >= limit and d > taken[limit - 1][0]:
             more = True  # past the list's last distance
             break
-        taken.append((d, chunk.batch.ids[i], -chunk.batch.ts[i], -float(chunk.at[i]),
+        taken.append((d, chunk.batch.ids[i], -float(near.ts[j]), -float(near.at[j]),
                       (chunk, i)))
         if len(taken) >= limit:
             taken.sort(key=lambda t: t[:4])

@@ -1,6 +1,6 @@
 """The snapshot benchmark (bench/snapshot.py) end to end on a tiny load, through the command
 line as a user runs it: it loads the same points into geoswarm and a Redis geo set, and every
-geoswarm range and knn answer it times agrees with its brute-force check."""
+geoswarm range and knn answer (with keywords too) it times agrees with its brute-force check."""
 
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ def test_tiny_run_is_exact_and_reports_both_systems() -> None:
     assert table["answers_differing_from_brute_force"] == "0"
     assert int(table["buckets"]) >= 1 and int(table["background_records"]) >= 50
     for name in ("range", "geosearch_box", "geosearch_box_http", "range_keywords", "knn",
-                 "geosearch_knn", "geosearch_knn_http", "count_large_box", "http_floor",
+                 "geosearch_knn", "geosearch_knn_http", "knn_keywords", "count_large_box",
+                 "http_floor",
                  "publish_one"):
         assert "p99_ms" in table[name]
 

@@ -5,6 +5,7 @@ and the knn radius grow to the whole world."""
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import Counter
 from collections.abc import Iterator
@@ -16,7 +17,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from app.geo.geometry import haversine_m
+from app.geo.geometry import bbox_contains, haversine_m
 from app.geo.grid import Grid
 from app.pipeline import wire
 from app.pipeline.queries import whole_cells
@@ -209,18 +210,26 @@ def test_a_border_count_over_many_records_around_the_hole() -> None:
 @given(sizes=st.lists(st.integers(1, 60), min_size=2, max_size=6), seed=st.integers(0, 2**32 - 1))
 def test_merged_chunks_equal_one_built_from_the_joined_rows(sizes: list[int], seed: int) -> None:
     """`Chunk.merge` joins the chunks' sorted cells instead of sorting again: the same chunk,
-    rows of one cell in row order (a coarse lattice makes many ties)."""
+    rows of one cell in row order (a coarse lattice makes many ties). The keywords the chunks
+    had listed (`occurrences`, `signature`) are joined too when every chunk had them for one
+    vocabulary, and equal the merged rows' own; otherwise they are listed again."""
     rng = np.random.default_rng(seed)
     chunks = []
+    vocab = records.Vocabulary(NOW)
     for c, n in enumerate(sizes):
         lon = (np.round(rng.uniform(-1, 1, n), 1)).tolist()
         lat = (np.round(rng.uniform(-1, 1, n), 1)).tolist()
         chunks.append(records.Chunk.of(wire.ObjectBatch(
             tenant="t", sent_at=NOW + c, plan_version=1, ids=[f"o{c}-{i}" for i in range(n)],
             record_ids=[f"r{c}-{i}" for i in range(n)], moving=[bool(i % 2) for i in range(n)],
-            lon=lon, lat=lat, ts=[NOW + c] * n, keywords=[["a"]] * n, text=[None] * n,
+            lon=lon, lat=lat, ts=[NOW + c] * n,
+            keywords=[sorted({"abcdef"[int(k)] for k in rng.integers(0, 6, int(rng.integers(4)))})
+                      for _ in range(n)], text=[None] * n,
             props=[None] * n, prev=[None] * n, late=[False] * n, exit_only=[False] * n,
             decide_exit=[False] * n), 1))
+    listed = seed % 3  # 0: none listed, 1: all (signed), 2: all but the last
+    for chunk in chunks[:len(chunks) - (listed == 2)] if listed else []:
+        chunk.signature(vocab)
     merged = records.Chunk.merge(chunks)
     built = records.Chunk.build(1, wire.ObjectBatch.concat([c.batch for c in chunks]),
                                 np.concatenate([c.at for c in chunks]))
@@ -228,6 +237,16 @@ def test_merged_chunks_equal_one_built_from_the_joined_rows(sizes: list[int], se
         assert np.array_equal(getattr(merged, name), getattr(built, name)), name
     assert merged.batch.ids == built.batch.ids
     assert (merged.first_at, merged.last_at) == (built.first_at, built.last_at)
+    assert (merged._signature is not None) == (listed == 1 or (listed == 2 and len(chunks) == 1))
+    for a, b in zip(merged.occurrences(vocab), built.occurrences(vocab), strict=True):
+        assert np.array_equal(a, b)
+    assert np.array_equal(merged.signature(vocab), built.signature(vocab))
+    for terms, match_all in [({"a"}, False), ({"a", "f"}, True), ({"b", "c"}, False)]:
+        held = merged.with_keywords(frozenset(terms), match_all, vocab)
+        assert held.tolist() == [terms <= set(k) if match_all else bool(terms & set(k))
+                                 for k in merged.batch.keywords]
+        assert np.array_equal(merged.rows_with(frozenset(terms), match_all, vocab),
+                              np.flatnonzero(held))
 
 
 @settings(max_examples=60, deadline=None)
@@ -397,8 +416,11 @@ def test_a_large_old_vocabulary_is_renewed_and_terms_still_count() -> None:
 
 
 def test_the_stack_reads_what_each_chunk_reads_as_the_window_changes() -> None:
-    """`TenantRecords.rows_in` (one search of the stack of chunks) gives each chunk's own
-    `Chunk.rows_in`, in chunk order, as the window changes under it: entries added (the stack
+    """`TenantRecords.read` (one search of the stack of chunks, or one test of its rows for a
+    tall region) gives, in chunk order, with their columns, every row of each chunk inside
+    the region that arrived by `as_of`, and no row outside its cells; with keywords, every
+    such row that holds them, and none whose signature cannot; as the window changes under
+    it: entries added (the stack
     grows at its end), the newest chunks merged as they come (some of them stacked: it is cut
     back), a query's `as_of` before the last arrivals, the oldest bucket expired, the window
     compacted (and compacted again, with nothing left to merge), a query's view without the
@@ -407,34 +429,65 @@ def test_the_stack_reads_what_each_chunk_reads_as_the_window_changes() -> None:
     w = RecordWindow(3600, 60)
     regions = [records.Region.of((x, y, x + dx, y + dy))
                for x, y, dx, dy in [(2.0, 48.5, 0.6, 0.5), (2.3, 48.8, 0.05, 0.05),
-                                    (-1.0, 47.0, 5.0, 1.0), (2.0, 48.5, 0.0, 0.0)]]
+                                    (-1.0, 47.0, 5.0, 1.0), (2.0, 48.5, 0.0, 0.0),
+                                    (1.0, 40.0, 3.0, 15.0)]]  # (the last: no cell runs)
+    assert regions[-1].bounds is None
+    vocabulary = [f"t{i}" for i in range(300)]
+    askings = [None, (frozenset({"t1"}), False), (frozenset({"t2", "t299"}), False),
+               (frozenset({"t1", "t7"}), True), (frozenset({"t1", "unknown"}), True),
+               (frozenset({"unknown"}), False)]
     added = [0]
 
-    def add(entries: int, bucket: int) -> None:
+    def add(entries: int, bucket: int, size: int | None = None) -> None:
         for _ in range(entries):
-            n = int(rng.integers(1, 3)) * 50
+            n = size or int(rng.integers(1, 3)) * 50
             a = added[0]
             added[0] += n
             w.add(wire.ObjectBatch(
                 tenant="t", sent_at=NOW + a / 1000, plan_version=1,
                 ids=[f"o{a + i}" for i in range(n)], record_ids=[f"r{a + i}" for i in range(n)],
                 moving=[False] * n, lon=rng.normal(2.35, 0.3, n).tolist(),
-                lat=rng.normal(48.85, 0.3, n).tolist(), ts=[NOW] * n, keywords=[[]] * n,
+                lat=rng.normal(48.85, 0.3, n).tolist(), ts=[NOW] * n,
+                keywords=[sorted({vocabulary[int(v)] for v in rng.zipf(1.5, int(rng.integers(4)))
+                                  if v < len(vocabulary)}) for _ in range(n)],
                 text=[None] * n, props=[None] * n, prev=[None] * n, late=[False] * n,
                 exit_only=[False] * n, decide_exit=[False] * n), bucket)
 
     def check(as_of: float = NOW + 3600, floor: int | None = None) -> None:
         t = w.tenants["t"] if floor is None else w.tenants["t"].after(floor)
-        for region in regions:
-            want = [(c, c.rows_in(region)) for c in t.chunks if c.first_at <= as_of]
-            want = [(c, rows) for c, rows in want if rows.size]
-            got = list(t.rows_in(region, as_of))
-            assert [c for c, _ in got] == [c for c, _ in want]
-            assert all(np.array_equal(a, b) for (_, a), (_, b) in zip(got, want, strict=True))
+        for region, asking in itertools.product(regions, askings):
+            got = t.read(region, as_of, asking)
+            terms = None if asking is None else records.Terms.of(*asking, t.vocab)
+            read = {id(c): rows for c, rows in got.groups()}
+            assert list(read) == [id(c) for c in t.chunks if id(c) in read]  # chunk order
+            for c in t.chunks:
+                # at least the rows inside the bbox (that hold the keywords), at most those of
+                # the region's cells (whose signature may hold them); sorted here
+                inside = np.flatnonzero(bbox_contains(region.bbox, c.lon, c.lat))
+                cells = inside if region.bounds is None else c.rows_of_bounds(region.bounds)
+                least = np.sort(inside[c.at[inside] <= as_of])
+                most = np.sort(cells[c.at[cells] <= as_of])
+                if asking is not None:
+                    assert terms is not None
+                    least = least[c.holds(least, *asking, t.vocab)]
+                    most = most[terms.may_hold(c.signature(t.vocab)[most])]
+                got_rows = np.sort(read.get(id(c), np.empty(0, dtype=np.int64)))
+                assert np.isin(least, got_rows).all() and np.isin(got_rows, most).all()
+                assert np.unique(got_rows).size == got_rows.size
+            for name in ("lon", "lat", "ts", "at"):
+                column = [getattr(c, name)[rows] for c, rows in got.groups()]
+                assert np.array_equal(getattr(got, name),
+                                      np.concatenate(column) if column else np.empty(0))
 
     add(20, 1)
     check()
-    add(3, 1)  # merged with stacked chunks as they come
+    add(3, 1)
+    check()
+    add(1, 1, 10)
+    check()
+    stacked = len(w.tenants["t"].chunks)
+    add(3, 1, 100)  # merged with the newest stacked chunk as they come: the stack is cut back
+    assert w.tenants["t"]._stacked < stacked or not records.MERGED_ON_ADD_ROWS
     check()
     check(as_of=NOW + (added[0] - 120) / 1000)
     add(13, 2)
@@ -445,6 +498,8 @@ def test_the_stack_reads_what_each_chunk_reads_as_the_window_changes() -> None:
     w.tenants["t"].compact()
     check()
     w.tenants["t"].compact()
+    check()
+    w.tenants["t"].vocab = records.Vocabulary(NOW)  # renewed: other ids, other signatures
     check()
     add(6, 3)
     check()
