@@ -12,6 +12,7 @@ the aggregator's check (`QueryPart.latest_of`), so those records are always list
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterator
 from typing import Any
@@ -350,23 +351,45 @@ def first_radius(records: TenantRecords, grid: Grid | None, px: float, py: float
     so that one or two reads usually suffice, dense city or empty plain; FIRST_RADIUS_M
     without counts or records in that cell. Any radius gives the same answer (the search
     grows until it is sure), only sooner. The cell's records are counted in the newest
-    FIRST_BUCKETS buckets and scaled by the share of the window's records they hold: a window
-    of an hour has sixty buckets or more, and a lookup in each cost more than the rest of a
-    small knn query."""
+    FIRST_BUCKETS buckets (those last added) and scaled by the share of the records held that
+    they count: a window of an hour has sixty buckets or more, and a lookup in each (or a sum
+    of their totals) cost more than the rest of a small knn query."""
     buckets = records.cell_counts
     if grid is None or not buckets:
         return FIRST_RADIUS_M
     cell = grid.cell_of_point(px, py)
-    newest = [buckets[b] for b in sorted(buckets)[-FIRST_BUCKETS:]]
+    # (the buckets last added: the newest but for a late entry's, which would do as well)
+    newest = [buckets[b] for b in itertools.islice(reversed(buckets), FIRST_BUCKETS)]
     seen = sum(counts.total for counts in newest)
     found = sum(counts.get(cell, 0) for counts in newest)
     if not found:
         return FIRST_RADIUS_M
-    n = found * sum(counts.total for counts in buckets.values()) / seen
+    n = found * records.size / seen
     m_per_deg = math.pi * EARTH_RADIUS_M / 180
     area = (grid.cell_width * m_per_deg * max(0.01, math.cos(math.radians(py)))
             * grid.cell_height * m_per_deg)
     return max(1.0, math.sqrt(FIRST_EXPECTED * k * area / (math.pi * n)))
+
+
+def read_reach_m(region: Region, px: float, py: float) -> float:
+    """How far from (px, py) every point is within the area `region` reads (`Region.of`: the
+    rectangle of its coarse cells, or its bbox without cell runs), less a millimetre for
+    rounding; 0 where that area meets the world's edges (or leaves the point out)."""
+    if region.bounds is None:
+        west, south, east, north = region.bbox
+    else:
+        x0, y0, x1, y1 = cell_range(region.bbox)
+        west, east = x0 * CELL_DEG - 180, (x1 + 1) * CELL_DEG - 180
+        south, north = y0 * CELL_DEG - 90, (y1 + 1) * CELL_DEG - 90
+    if (west <= -180 or east >= 180 or south <= -90 or north >= 90
+            or not (west <= px <= east and south <= py <= north)):
+        return 0.0
+    # the nearest parallel of the two lies along the point's meridian; the distance to a
+    # meridian is asin(sin(dlon) cos(lat)) (its nearer pole, past 90 degrees of longitude)
+    to_parallel = math.radians(min(py - south, north - py))
+    dlon = min(math.radians(min(px - west, east - px)), math.pi / 2)
+    to_meridian = math.asin(min(1.0, math.sin(dlon) * math.cos(math.radians(py))))
+    return max(0.0, min(to_parallel, to_meridian) * EARTH_RADIUS_M - 1e-3)
 
 
 def _nearest(records: TenantRecords | None, part: wire.QueryPart, worker: str,
@@ -399,6 +422,10 @@ def _nearest(records: TenantRecords | None, part: wire.QueryPart, worker: str,
         near = _candidates(records, part, region, bool(wanted))
         dist = haversine_m(px, py, near.lon, near.lat)
         if not world:
+            # every row this near was read: the radius, or as far as the area read reaches
+            # (its cells stretch past the circle: a first round in a town reads enough)
+            radius = max(radius, read_reach_m(region, px, py))
+            radius = radius if cap is None else min(radius, cap)
             keep = dist <= radius
             near, dist = near.take(keep), dist[keep]
         taken, more = _take_nearest(records, part, wanted, limit, near, dist)

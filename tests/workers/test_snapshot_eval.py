@@ -531,3 +531,41 @@ def test_knn_first_radius_reads_the_newest_buckets_scaled_to_the_window() -> Non
             * grid.cell_height * math.pi * 6_371_008.8 / 180)
     want = math.sqrt(FIRST_EXPECTED * 10 * area / (math.pi * every))
     assert first_radius(t, grid, 2.35, 48.85, 10) == pytest.approx(want, rel=0.05)
+
+
+@settings(max_examples=300, deadline=None)
+@given(px=st.floats(-179.9, 179.9), py=st.floats(-89.9, 89.9),
+       radius=st.floats(1.0, 3e6), tall=st.booleans())
+def test_a_knn_round_reads_every_point_as_far_as_its_reach(px: float, py: float, radius: float,
+                                                           tall: bool) -> None:
+    """`read_reach_m`: every point within the reach of a round (its radius, stretched to the
+    area its region reads) lies in that area, its coarse cells' rectangle (or its bbox without
+    cell runs); and the reach is that area's: a little farther, some point lies outside."""
+    from app.geo.geometry import EARTH_RADIUS_M, circle_bbox
+    from workers.snapshot import read_reach_m
+
+    region = records.Region.of(circle_bbox(px, py, radius))
+    if tall:
+        region = records.Region(region.bbox, None)
+    reach = read_reach_m(region, px, py)
+    if reach == 0.0:
+        return
+    if region.bounds is None:
+        west, south, east, north = region.bbox
+    else:
+        x0, y0, x1, y1 = records.cell_range(region.bbox)
+        west, east = x0 * CELL_DEG - 180, (x1 + 1) * CELL_DEG - 180
+        south, north = y0 * CELL_DEG - 90, (y1 + 1) * CELL_DEG - 90
+    bearing = np.linspace(0, 2 * np.pi, 721)
+
+    def at(d: float) -> tuple[Any, Any]:  # the points at distance d (the direct problem)
+        a, p1, l1 = d / EARTH_RADIUS_M, math.radians(py), math.radians(px)
+        p2 = np.arcsin(math.sin(p1) * math.cos(a) + math.cos(p1) * math.sin(a) * np.cos(bearing))
+        l2 = l1 + np.arctan2(np.sin(bearing) * math.sin(a) * math.cos(p1),
+                             math.cos(a) - math.sin(p1) * np.sin(p2))
+        return (np.degrees(l2) + 180) % 360 - 180, np.degrees(p2)
+
+    x, y = at(reach)
+    assert ((x >= west) & (x <= east) & (y >= south) & (y <= north)).all()
+    x, y = at(reach * 1.01 + 1.0)
+    assert not ((x >= west) & (x <= east) & (y >= south) & (y <= north)).all()
