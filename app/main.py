@@ -23,14 +23,14 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.api import direct
-from app.api.deps import authenticate_request
+from app.api.deps import KeyCheck, authenticate_request, confirm_key_check, ride_key_check
 from app.api.openapi import TENANT, errors, install_openapi
 from app.api.routes import admin, dashboard, health, keys, objects, queries, stream, subscriptions
 from app.core.collector import collector_loop
 from app.core.config import Settings, get_settings
 from app.core.db import make_engine, make_sessionmaker
 from app.core.errors import ApiError, integrity_problem, is_redis_oom
-from app.core.pipelines import pipelines_for
+from app.core.pipelines import RIDER, pipelines_for
 from app.core.redis import async_client
 from app.core.security import AuthFailures, KeyCache, install_log_redaction
 from app.core.state import AppState
@@ -68,7 +68,8 @@ class BodyLimit:
     """Reject request bodies over max_body_bytes with 413 before the app reads them, and
     authenticate a /v1 request that has a body before reading any of it: a missing or unknown
     key costs no upload of up to max_body_bytes (the route's dependency reuses the principal).
-    The hot routes are answered here (`app.api.direct`)."""
+    The hot routes are answered here (`app.api.direct`); a read-only one's key check, for a
+    key this process holds, rides on its first round trip instead (`_answer_checking`)."""
 
     def __init__(self, app: ASGIApp, max_bytes: int) -> None:
         self.app = app
@@ -96,7 +97,11 @@ class BodyLimit:
             await (await direct.read(*reading, Request(scope)))(scope, receive, send)
             return
         authenticated = has_body and _authenticated_route(scope)
-        if authenticated:
+        endpoint = direct.endpoint_of(scope["method"], scope["path"]) if authenticated else None
+        # a read-only endpoint's key check rides on its first round trip (`ride_key_check`)
+        check = (ride_key_check(Request(scope), scope["app"].state.gs)
+                 if endpoint is not None and direct.is_read_only(endpoint) else None)
+        if authenticated and check is None:
             refusal = await _authenticate_first(scope)
             if refusal is not None:
                 await refusal(scope, receive, send)
@@ -116,11 +121,13 @@ class BodyLimit:
             chunks.append(chunk)
             more = message.get("more_body", False)
         body = b"".join(chunks)
-        endpoint = direct.endpoint_of(scope["method"], scope["path"]) if authenticated else None
         if endpoint is not None:
             request = Request(scope)
             request._body = body  # (Starlette's cache of the body read)
-            response = await direct.answer(endpoint, request, body)
+            if check is not None:
+                response = await _answer_checking(endpoint, request, body, check)
+            else:
+                response = await direct.answer(endpoint, request, body)
             if response is not None:
                 await response(scope, receive, send)
                 return
@@ -150,6 +157,34 @@ def _authenticated_route(scope: Scope) -> bool:
     path = scope["path"]
     return (isinstance(app, FastAPI) and path.startswith("/v1/")
             and scope["method"] in allowed_methods(app, path))
+
+
+async def _answer_checking(endpoint: direct.Endpoint, request: Request, body: bytes,
+                           check: KeyCheck) -> Response | None:
+    """A read-only endpoint's response, made as the principal the key is held with while the
+    key check rides on its first round trip; given once the check confirms it, else the
+    refusal of the full check (a check that cannot confirm it, a changed token: the request
+    is checked in full, and made again if another principal comes of it). None, as from
+    `direct.answer`: the route answers it (its principal checked)."""
+    app: FastAPI = request.app
+    request.state.principal = check.principal
+    ridden = RIDER.set(check.rider)
+    try:
+        response = await direct.answer(endpoint, request, body)
+    finally:
+        RIDER.reset(ridden)
+    try:
+        if await confirm_key_check(app.state.gs, check):
+            return response
+    except Exception as exc:  # (past the rate limit)
+        return await direct.handled(app, request, exc)
+    del request.state.principal
+    refusal = await _authenticate_first(request.scope)
+    if refusal is not None:
+        return refusal
+    if request.state.principal != check.principal:
+        return await direct.answer(endpoint, request, body)
+    return response
 
 
 async def _authenticate_first(scope: Scope) -> Response | None:

@@ -9,7 +9,7 @@ import logging
 import secrets
 import time
 from collections.abc import Callable, Coroutine
-from typing import Annotated, Any
+from typing import Annotated, Any, NamedTuple
 
 import orjson
 import redis.exceptions
@@ -19,6 +19,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import HTTPConnection
 
 from app.core.errors import BadRequest, Forbidden, RateLimited, Unauthorized, is_redis_oom
+from app.core.pipelines import Rider
 from app.core.security import AuthFailures, Principal, bootstrap_principal
 from app.core.state import AppState
 from app.pipeline import names
@@ -221,9 +222,78 @@ async def authenticate_request(request: Request, state: AppState) -> Principal:
     principal, count = await authenticate(
         state, bearer_token(request.headers.get("authorization")), auth_failures(request.app),
         client_address(request), window)
+    if count is not None and window is not None and state.keys is not None:
+        state.keys.counted(principal.key_id, window, count)
     await rate_limit(state, principal, now, count)
     request.state.principal = principal
     return principal
+
+
+class KeyCheck(NamedTuple):
+    """A key check riding on a read-only request's first round trip (`ride_key_check`)."""
+
+    key: str
+    principal: Principal  # as the key is held: valid if the token read is its token
+    now: float
+    window: int | None  # the rate limit's second, if counted
+    rider: Rider
+
+
+def ride_key_check(request: Request, state: AppState) -> KeyCheck | None:
+    """The key check of a read-only request (a snapshot query), to ride on the request's first
+    round trip to Redis instead of one of its own before it (`app.core.pipelines.Rider`): the
+    revocation token and the rate counter, read as `check_key` reads them. The request is then
+    served as the principal the key is held with, and its answer given only once the check
+    confirms it (`confirm_key_check`); a refused one was evaluated for nothing, and answers
+    as if checked first. None (checked first) for a key this process does not hold (or holds
+    past its age), an address refused for failed checks, pipelines without riders, or a key
+    past half its rate limit in this second: a flood of requests past the limit must not be
+    evaluated (those are refused before any work)."""
+    cache = state.keys
+    if cache is None or not state.pipelines.rides:
+        return None
+    try:
+        key = refuse_early(bearer_token(request.headers.get("authorization")),
+                           auth_failures(request.app), client_address(request))
+    except (Unauthorized, RateLimited):
+        return None  # (the check first answers it)
+    principal = cache.fresh(key)
+    if principal is None:
+        return None
+    now = time.time()
+    limit = state.settings.rate_limit_per_s
+    window = int(now) if limit > 0 else None
+    commands: list[tuple[Any, ...]] = [("GET", names.KEYS_TOKEN)]
+    if window is not None:
+        if cache.count(principal.key_id, window) >= limit // 2:
+            return None
+        counter = names.rate_key(principal.key_id, window)
+        commands += [("INCR", counter), ("EXPIRE", counter, 2)]
+    return KeyCheck(key, principal, now, window, Rider(commands))
+
+
+async def confirm_key_check(state: AppState, check: KeyCheck) -> bool:
+    """Whether the key check that rode confirms the request (the token still the one the key
+    is held with); RateLimited past the rate limit. False when it cannot tell (the token
+    changed, Redis failed): the request is then checked in full, as if it had not ridden
+    (`authenticate_request`: refused, or accepted when another key's revocation changed the
+    token), and counted again."""
+    try:
+        replies = await check.rider.replies(state.pipelines)
+    except (redis.exceptions.RedisError, OSError):
+        return False
+    token = replies[0]
+    if isinstance(token, Exception) or token is None:
+        return False
+    assert state.keys is not None
+    held = state.keys.get(check.key, token if isinstance(token, bytes) else str(token).encode())
+    if held is None or held.key_id != check.principal.key_id:
+        return False
+    if check.window is not None:
+        count = _counted(replies[1])
+        state.keys.counted(held.key_id, check.window, count)
+        await rate_limit(state, held, check.now, count)
+    return True
 
 
 async def get_principal(request: Request, state: StateDep) -> Principal:

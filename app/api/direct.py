@@ -55,6 +55,10 @@ ENDPOINTS: dict[tuple[str, str], Endpoint] = {
     ("POST", "/v1/objects"): publish,
     ("POST", "/v1/queries"): submit_query,
 }
+# Those that change nothing (a query reads): their key check may ride on their first round
+# trip, the answer given once it confirms the key (`app.api.deps.ride_key_check`). A write
+# must not: it would be applied before its key is confirmed.
+READ_ONLY = frozenset({submit_query})
 
 
 # (request, the process state, the authenticated principal, the path's one parameter) -> the
@@ -84,6 +88,10 @@ WHOLE_REST = frozenset({"/v1/objects/"})
 
 def endpoint_of(method: str, path: str) -> Endpoint | None:
     return ENDPOINTS.get((method, path))
+
+
+def is_read_only(endpoint: Endpoint) -> bool:
+    return endpoint in READ_ONLY
 
 
 def reader_of(method: str, path: str) -> tuple[Reader, str] | None:

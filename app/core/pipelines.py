@@ -12,6 +12,7 @@ URLs the raw connections do not serve (a Redis Cluster, TLS, a Unix socket)."""
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import functools
 import hashlib
 import random
@@ -35,6 +36,9 @@ MAX_CONNECTIONS = 512  # open at once, as the api's redis-py pool; further calls
 
 
 class Pipelines(Protocol):
+    # whether a `Rider` set for the calling context goes with its next pipeline
+    rides: bool
+
     async def execute(self, commands: Sequence[Command], block_s: float = 0.0,
                       raise_on_error: bool = True) -> list[Any]:
         """The replies of `commands`, sent as one pipeline. An error reply raises (the first,
@@ -82,6 +86,52 @@ async def eval_script(pipelines: Pipelines, text: str, keys: Sequence[Any],
     return reply
 
 
+class Rider:
+    """Commands that go with the next pipeline sent in the context that set them (`RIDER`),
+    so that a check of a request that needs Redis costs no round trip of its own: the key
+    check of a read-only request rides on its query's first round trip, which is sent before
+    the key is confirmed (`app.api.deps.ride_key_check`). `replies` gives their replies (the
+    pipeline's error if it failed), sending them itself if no pipeline took them."""
+
+    def __init__(self, commands: Sequence[Command]) -> None:
+        self.commands = list(commands)
+        self.taken = False
+        self._replies: asyncio.Future[list[Any]] = asyncio.get_running_loop().create_future()
+
+    @staticmethod
+    def board() -> Rider | None:
+        """The context's rider not yet taken, taken now (a pipelines' `execute`)."""
+        rider = RIDER.get()
+        if rider is None or rider.taken:
+            return None
+        rider.taken = True
+        return rider
+
+    def arrived(self, replies: list[Any]) -> None:
+        if not self._replies.done():
+            self._replies.set_result(replies)
+
+    def failed(self, exc: BaseException) -> None:
+        if not self._replies.done():
+            self._replies.set_exception(
+                exc if isinstance(exc, Exception) else ConnectionError("cancelled"))
+
+    async def replies(self, pipelines: Pipelines) -> list[Any]:
+        """The commands' replies (errors in their place), once the pipeline that took them
+        is back; sent on `pipelines` now if none did."""
+        if not self.taken:
+            self.taken = True
+            try:
+                self.arrived(await pipelines.execute(self.commands, raise_on_error=False))
+            except Exception as exc:
+                self.failed(exc)
+        return await self._replies
+
+
+# The rider of the request being served (set around its endpoint; the tasks it starts copy it)
+RIDER: contextvars.ContextVar[Rider | None] = contextvars.ContextVar("rider", default=None)
+
+
 def raise_first(replies: list[Any]) -> list[Any]:
     for reply in replies:
         if isinstance(reply, Exception):
@@ -96,6 +146,8 @@ def pipelines_for(url: str, client: Any) -> Pipelines:
 
 
 class ClientPipelines:
+    rides = False  # (a cluster's pipelines are split by node: a rider would be its own trip)
+
     def __init__(self, client: Any) -> None:
         self.client = client
 
@@ -173,6 +225,8 @@ class RawPipelines:
     up to ATTEMPTS times, as the api's redis-py client does (every write of the hot path is
     idempotent: see `app.core.redis.async_client`)."""
 
+    rides = True
+
     def __init__(self, host: str, port: int, db: int = 0, username: str | None = None,
                  password: str | None = None) -> None:
         self.host, self.port, self.db = host, port, db
@@ -199,9 +253,20 @@ class RawPipelines:
                       raise_on_error: bool = True) -> list[Any]:
         if not commands:
             return []
-        payload = pack(commands)
-        async with self._slots:
-            replies = await self._execute(payload, len(commands), block_s)
+        rider = Rider.board()
+        if rider is not None:
+            commands = [*rider.commands, *commands]
+        try:
+            payload = pack(commands)
+            async with self._slots:
+                replies = await self._execute(payload, len(commands), block_s)
+        except BaseException as exc:
+            if rider is not None:
+                rider.failed(exc)
+            raise
+        if rider is not None:
+            rider.arrived(replies[:len(rider.commands)])
+            replies = replies[len(rider.commands):]
         return raise_first(replies) if raise_on_error else replies
 
     async def _execute(self, payload: bytes, n: int, block_s: float) -> list[Any]:

@@ -100,6 +100,7 @@ class KeyCache:
         self.max_age_s = max_age_s
         self.size = size
         self._held: dict[str, tuple[Principal, bytes, float]] = {}
+        self._counts: dict[str, tuple[int, int]] = {}  # key id -> (window, count): `counted`
 
     def get(self, key: str, token: bytes) -> Principal | None:
         held = self._held.get(hash_key(key))
@@ -116,6 +117,25 @@ class KeyCache:
         if len(self._held) >= self.size:
             self._held.clear()
         self._held[hash_key(key)] = (principal, token, time.monotonic())
+
+    def fresh(self, key: str) -> Principal | None:
+        """The principal `key` is held with if its entry has not expired (valid if the token
+        is still the one it was held with: `get` tells)."""
+        held = self._held.get(hash_key(key))
+        if held is None or time.monotonic() - held[2] > self.max_age_s:
+            return None
+        return held[0]
+
+    def counted(self, key_id: str, window: int, count: int) -> None:
+        """Note a key's requests in the second `window` so far (as a rate counter told)."""
+        if len(self._counts) >= self.size:
+            self._counts.clear()
+        self._counts[key_id] = (window, count)
+
+    def count(self, key_id: str, window: int) -> int:
+        """The key's requests in the second `window` as last noted (0 if none were)."""
+        noted = self._counts.get(key_id)
+        return noted[1] if noted is not None and noted[0] == window else 0
 
 
 _TOKEN_IN_QUERY = re.compile(r"([?&]token=)[^&\s\"]*")

@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import secrets
 import time
+from collections import Counter
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import httpx
 import orjson
 import pytest
 import redis
@@ -376,3 +379,54 @@ def test_each_request_is_counted_once_held_or_looked_up(limited: InProcessServer
             checked += 1
             time.sleep(window + 1 - time.time())  # a fresh second: under the limit of 5
         assert checked >= 3
+
+
+# --- a query's key check riding on its first round trip -----------------------------------------
+
+def _query(s: InProcessServer, key: str) -> httpx.Response:
+    """A snapshot query (wait_s 0: the worker of the plan does not run here, so the answer is
+    202), on a client of its own (the requests of a burst overlap)."""
+    with s.http(auth(key)) as c:
+        return c.post("/v1/queries", json={"type": "count", "bbox": [-10, -10, 10, 10],
+                                             "wait_s": 0})
+
+
+def test_queries_whose_key_check_rides_stop_at_the_rate_limit(limited: InProcessServer) -> None:
+    """Queries of a key this process holds are sent before their key check returns (it rides
+    on their first round trip, `deps.ride_key_check`): a burst of them at the start of a second
+    all ride, and all but the first `rate_limit_per_s` are refused 429 once it returns, their
+    answers not given."""
+    key = limited.new_key()
+    assert _query(limited, key).status_code == 202  # held from now on
+    for _ in range(3):
+        window = int(time.time())
+        time.sleep(window + 1.02 - time.time())  # a fresh second: nothing counted in it yet
+        with ThreadPoolExecutor(20) as pool:
+            answers = list(pool.map(lambda _: _query(limited, key), range(20)))
+        if int(time.time()) == window + 1:
+            break  # (else the second ended during the burst: again)
+    codes = Counter(r.status_code for r in answers)
+    assert set(codes) <= {202, 429}, codes
+    assert 1 <= codes[202] <= 5, codes  # GEOSWARM_RATE_LIMIT_PER_S=5
+    refused = next(r for r in answers if r.status_code == 429)
+    assert refused.headers["retry-after"].isdigit() and "rate limit" in refused.json()["detail"]
+
+
+def test_a_revoked_key_is_refused_though_its_key_check_rides(limited: InProcessServer) -> None:
+    """A query with a key this process holds rides its key check on its first round trip; the
+    key revoked meanwhile, it is refused 401 (the answer made for it not given), and a key of
+    the same tenant left valid, whose held token the revocation made stale, is checked in full
+    and answered."""
+    with limited.http(limited.admin()) as a:
+        made = [a.post("/v1/admin/keys", json={"tenant": "riding"}).json() for _ in range(2)]
+    (revoked_id, revoked), (_, kept) = ((m["id"], m["key"]) for m in made)
+    for key in (revoked, kept):
+        for _ in range(2):  # the second rides
+            assert _query(limited, key).status_code == 202
+    with limited.http(limited.admin()) as a:
+        assert a.delete(f"/v1/admin/keys/{revoked_id}").status_code == 204
+    r = _query(limited, revoked)
+    assert r.status_code == 401, r.text
+    assert "results" not in r.json() and "id" not in r.json()
+    assert _query(limited, kept).status_code == 202
+    assert _query(limited, revoked).status_code == 401

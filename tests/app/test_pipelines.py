@@ -21,9 +21,11 @@ from hypothesis import strategies as st
 
 from app.core.config import Settings
 from app.core.pipelines import (
+    RIDER,
     Batch,
     ClientPipelines,
     RawPipelines,
+    Rider,
     eval_script,
     pack,
     pipelines_for,
@@ -198,6 +200,61 @@ def test_a_cancelled_blocking_call_leaves_no_reply_behind(redis_url: str) -> Non
             await raw.aclose()
             await client.delete("gs:test:cancel:k", "gs:test:cancel:l")
             await client.aclose()
+
+    run(scenario())
+
+
+def test_a_rider_goes_with_the_next_pipeline_of_its_context(redis_url: str) -> None:
+    """The commands of a `Rider` set for a context are sent with the first pipeline sent in it
+    (one write on one connection: the same client id), their replies split off; later
+    pipelines carry nothing more; one that no pipeline took sends itself; a pipeline that
+    fails fails its rider (the key check it carries is then made in full)."""
+    async def scenario() -> None:
+        raw = RawPipelines.from_url(redis_url)
+        assert raw is not None and raw.rides and not ClientPipelines(None).rides
+        try:
+            rider = Rider([("CLIENT", "ID"), ("INCR", "gs:test:rider:n")])
+            token = RIDER.set(rider)
+            try:
+                mine = await raw.execute([("CLIENT", "ID"), ("GET", "gs:test:rider:n")])
+                assert await raw.execute([("GET", "gs:test:rider:n")]) == [b"1"]
+            finally:
+                RIDER.reset(token)
+            ridden = await rider.replies(raw)
+            assert ridden[0] == mine[0] and ridden[1] == 1  # one connection, one pipeline
+            assert mine[1] == b"1"  # the rider's commands went first
+            alone = Rider([("INCR", "gs:test:rider:n")])  # no pipeline took it
+            assert await alone.replies(raw) == [2]
+            # a task started in the context takes it (as a query's does)
+            later = Rider([("INCR", "gs:test:rider:n")])
+            token = RIDER.set(later)
+            try:
+                task = asyncio.ensure_future(raw.execute([("PING",)]))
+            finally:
+                RIDER.reset(token)
+            assert await task == [b"PONG"]
+            assert await later.replies(raw) == [3]
+            broken = Rider([("GET", "gs:test:rider:n")])
+            token = RIDER.set(broken)
+            try:
+                with pytest.raises(redis.exceptions.ResponseError):
+                    await raw.execute([("NO-SUCH-COMMAND",)])  # (an error reply, not a break)
+            finally:
+                RIDER.reset(token)
+            assert await broken.replies(raw) == [b"3"]
+            dead = RawPipelines("127.0.0.1", 1)  # nothing listens on port 1
+            lost = Rider([("GET", "gs:test:rider:n")])
+            token = RIDER.set(lost)
+            try:
+                with pytest.raises(redis.exceptions.ConnectionError):
+                    await dead.execute([("PING",)])
+            finally:
+                RIDER.reset(token)
+            with pytest.raises(redis.exceptions.ConnectionError):
+                await lost.replies(raw)
+        finally:
+            await raw.execute([("DEL", "gs:test:rider:n")])
+            await raw.aclose()
 
     run(scenario())
 
