@@ -359,6 +359,7 @@ def create_app(settings: Settings | None = None, redis_url: str | None = None,
         state.hub = Hub(state)
         app.state.gs = state
         await state.router.refresh()
+        await state.queries.open_inbox()
         await state.hub.start()
         expiry = asyncio.create_task(expiry_loop(state), name="expiry")
         recheck = asyncio.create_task(key_recheck_loop(state), name="key-recheck")

@@ -65,6 +65,7 @@ from workers.ledger import SwarmLedger, rect_of
 from workers.migration import CommandRefused, Migration
 from workers.outbox import OutboxPipe, relay_outbox
 from workers.records import RecordWindow, TenantRecords, records_of
+from workers.replies import Inboxes
 from workers.snapshot import evaluate
 from workers.subs import LocalSubs
 from workers.window import keyword_set
@@ -224,6 +225,7 @@ class Executor:
         # Query parts sent straight to us (`app.pipeline.queries`), waiting until a read of
         # our stream reaches its end: (entry id, part).
         self.query_stream = names.query_stream(worker_id)
+        self.inboxes = Inboxes(worker_id)  # the api processes' query reply sockets
         self.straight: list[tuple[bytes, wire.QueryPart]] = []
         # Per-cell counts of the window, reported for count queries (`_report_counts`): the
         # last entry of our stream whose records they include.
@@ -314,6 +316,7 @@ class Executor:
                 # The stream or its group vanished (FLUSHALL, a restored backup): recreate it.
                 log.warning("worker %s: consumer group missing; recreating it", self.id)
                 self._ensure_group()
+        self.inboxes.close()
         log.info("worker %s stopped", self.id)
 
     def _on_signal(self, signum: int, _frame: Any) -> None:
@@ -975,8 +978,11 @@ class Executor:
         except Exception as exc:  # a query must not take the worker down
             log.exception("worker %s: snapshot query failed", self.id)
             reply = wire.QueryReply(worker=self.id, error=f"{type(exc).__name__}: {exc}")
+        encoded = wire.encode_query_reply(reply)
+        if self.inboxes.send(part, encoded):  # straight to the api process that asked
+            return
         key = names.query_reply_key(part.reply)
-        pipe.rpush(key, wire.encode_query_reply(reply))
+        pipe.rpush(key, encoded)
         pipe.expire(key, 120)
 
     def _dropped(self, worker: str) -> int:

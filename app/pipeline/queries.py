@@ -47,6 +47,7 @@ from app.geo.index import GlobalIndex
 from app.pipeline import names, wire
 from app.pipeline.cellcounts import CellCounts, HeldCounts
 from app.pipeline.cluster import entry_order, heartbeat_fresh
+from app.pipeline.inbox import REPLIES, Inbox
 from app.pipeline.records import public_record
 from app.pipeline.router import Router
 from app.pipeline.wire import STALE_CUT
@@ -167,6 +168,17 @@ class QueryService:
         self.counts = CellCounts(redis)
         self.send_part = redis.register_script(SEND_PART_SCRIPT)
         self._tasks: set[asyncio.Task[None]] = set()
+        # replies straight from the workers on this host (`open_inbox`), else through Redis
+        self.inbox: Inbox | None = None
+
+    async def open_inbox(self) -> None:
+        """Take replies straight from the workers that reach this process's socket under the
+        data dir (`app.pipeline.inbox`); not with outboxes (a Redis Cluster's deployment)."""
+        if self.router.outbox is not None:
+            return
+        inbox = Inbox(self.settings.data_dir.resolve() / "inbox")
+        if await inbox.start():
+            self.inbox = inbox
 
     # --- the public side -----------------------------------------------------------------
     async def submit(self, tenant: str, query: wire.SnapshotQuery, wait_s: float
@@ -229,6 +241,8 @@ class QueryService:
     async def stop(self) -> None:
         for task in list(self._tasks):
             task.cancel()
+        if self.inbox is not None:
+            await self.inbox.stop()
 
     async def _store(self, query_id: str, tenant: str, started: float, body: dict[str, Any],
                      keep_s: float = QUERY_TTL_S) -> None:
@@ -529,6 +543,8 @@ class _Sending(NamedTuple):
     first: int
     archive: bool = False
     waited: int | None = None  # the position of the first wait for an answer (`first_wait`)
+    # where the answers come when every worker replies straight to this process (`Inbox`)
+    inbox: asyncio.Queue[bytes] | None = None
 
 
 class _Run:
@@ -561,13 +577,17 @@ class _Run:
         """Queue one part to each worker on `pipe` (whose replies `gather` then takes)."""
         token = secrets.token_hex(12)
         settings = self.service.settings
+        order = sorted(set(workers))
+        inbox = self.service.inbox
+        # straight replies when every worker asked reaches the inbox (the archive's runner
+        # replies through Redis); a worker that does not yet, connects as it reads the part
+        direct = inbox is not None and self.cut is None and inbox.reaches(order)
         part = wire.encode_entry(wire.QueryPart(
             reply=token, tenant=self.tenant, query=self.query, as_of=self.as_of,
             deadline=self.deadline, limit=limit, latest_of=latest_of,
             first_bucket=(None if self.cut is not None else
                           int((self.as_of - settings.window_s) // settings.bucket_s)),
-            cut=self.cut))
-        order = sorted(set(workers))
+            cut=self.cut, inbox=inbox.path if inbox is not None else None, direct=direct))
         first = len(pipe)
         checked = self.service.router.outbox is None  # see SEND_PART_SCRIPT
         for w in order:
@@ -578,15 +598,16 @@ class _Run:
         if self.cut is not None:
             pipe.execute_command("XADD", names.ARCHIVE_JOBS, "MAXLEN", "~", ARCHIVE_JOBS_LEN,
                                  "*", "m", part)
-        return _Sending(token, order, first, self.cut is not None)
+        return _Sending(token, order, first, self.cut is not None,
+                        inbox=inbox.expect(token) if direct and inbox is not None else None)
 
     def first_wait(self, pipe: Batch, sending: _Sending) -> _Sending:
         """Queue the first wait for an answer as the last command of `pipe` (a blocking pop
         blocks the commands after it), so that sending the parts and waiting for the first
         answer are one round trip. It waits FIRST_WAIT_S at most: the parts may not have
         been sent (a newer plan, see `gather`). Not on a Redis Cluster, whose pipelines are
-        split by node."""
-        if self.service.router.outbox is not None:
+        split by node. Nor when the answers come to the inbox."""
+        if self.service.router.outbox is not None or sending.inbox is not None:
             return sending
         pipe.execute_command("BLPOP", names.query_reply_key(sending.token), FIRST_WAIT_S)
         return sending._replace(waited=len(pipe) - 1)
@@ -611,6 +632,8 @@ class _Run:
         if -1 in sent or (svc.router.outbox is not None and self.version
                           and await self._plan_changed()):
             # the parts sent are answered to a list nobody reads, which expires
+            if sending.inbox is not None and svc.inbox is not None:
+                svc.inbox.forget(token)
             raise StalePlan(self.version)
         waiting = set(order) | ({ARCHIVE} if sending.archive else set())
         straight = {w for w, how in zip(order, sent, strict=True) if how == 1}
@@ -627,11 +650,12 @@ class _Run:
                             f"worker{'s' if len(waiting) > 1 else ''} "
                             f"{', '.join(sorted(waiting))} did not answer within "
                             f"{svc.settings.query_timeout_s:g} s (query_timeout_s)")
-                    wait = min(1.0, left)
-                    got = (await svc.pipelines.execute([("BLPOP", key, wait)], block_s=wait))[0]
+                    got = await self._next_answer(sending, key, min(1.0, left))
                     if got is None:
                         await self._check_alive(waiting, straight)
                         continue
+                else:
+                    REPLIES.labels("redis").inc()
                 raw, got = got[1], None
                 reply = wire.decode_query_reply(raw if isinstance(raw, bytes) else raw.encode())
                 if reply.worker not in waiting:
@@ -644,9 +668,32 @@ class _Run:
                 replies.append(reply)
             answered = True
         finally:
+            if sending.inbox is not None and svc.inbox is not None:
+                svc.inbox.forget(token)
             if not answered:  # the list empties (and so goes) as the answers are taken
                 await redis.delete(key)
         return replies
+
+    async def _next_answer(self, sending: _Sending, key: str, wait: float
+                           ) -> tuple[Any, bytes] | None:
+        """The next answer within `wait` seconds (as BLPOP gives it), or None: from the
+        inbox, and then from the list (where a worker that could not reach the inbox pushed
+        it), or from the list only."""
+        svc = self.service
+        if sending.inbox is not None:
+            try:
+                raw = await asyncio.wait_for(sending.inbox.get(), wait)
+                REPLIES.labels("inbox").inc()
+                return key, raw
+            except TimeoutError:
+                [popped] = await svc.pipelines.execute([("LPOP", key)])
+        else:
+            got = (await svc.pipelines.execute([("BLPOP", key, wait)], block_s=wait))[0]
+            popped = got[1] if got is not None else None
+        if popped is None:
+            return None
+        REPLIES.labels("redis").inc()
+        return key, popped
 
     async def _check_alive(self, waiting: set[str], straight: set[str]) -> None:
         svc = self.service

@@ -245,7 +245,10 @@ class QueryPart(msgspec.Struct, tag="q", tag_field="t", kw_only=True):
     (<= query.t_to) of each of these moving objects (the check of `latest` answers).
     Which arrival buckets it reads: with `cut` (a query that reads the archive too: worker ->
     the last bucket the archive answers for), those after its worker's cut; else those from
-    `first_bucket` (the live window's first)."""
+    `first_bucket` (the live window's first).
+    `inbox`: the asking api process's socket for replies (`app.pipeline.inbox`), which the
+    worker connects to; with `direct`, the reply goes there instead of to the list (and to
+    the list if it cannot)."""
 
     reply: str
     tenant: str
@@ -256,6 +259,8 @@ class QueryPart(msgspec.Struct, tag="q", tag_field="t", kw_only=True):
     latest_of: list[str] | None = None
     first_bucket: int | None = None
     cut: dict[str, int] | None = None
+    inbox: str | None = None
+    direct: bool = False
 
 
 # `QueryReply.error` of a part whose archive cut lies below records its worker dropped from

@@ -27,6 +27,7 @@ import redis.asyncio as aioredis
 from app.core.config import get_settings
 from app.geo.geometry import haversine_m
 from app.pipeline import names, wire
+from app.pipeline.inbox import Inbox
 from app.pipeline.queries import STORE_GRACE_S, QueryService, new_query_id
 from app.pipeline.router import Router
 from tests.conftest import LiveServer, auth, start_server
@@ -310,6 +311,81 @@ def test_an_answer_given_at_once_is_found_through_another_api_process(cluster: L
     assert got == orjson.loads(orjson.dumps(body))
     assert never is None and waited >= STORE_GRACE_S * 0.9
     assert shaped_otherwise is None
+
+
+def test_replies_come_to_the_inbox_and_through_redis_when_they_cannot(cluster: LiveServer
+                                                                      ) -> None:
+    """A query service with an inbox (`app.pipeline.inbox`) gets its replies straight from the
+    workers once they have connected (the first through Redis: a worker connects as it reads
+    the part); with the inbox closed, through Redis again; and a reply a worker cannot send
+    to an inbox it was told to use goes to the list, where the api finds it. Every answer is
+    exact."""
+    from app.pipeline.inbox import REPLIES
+
+    tenant = "inbox-" + secrets.token_hex(3)
+    key = cluster.new_key(tenant)
+    data, clock = Records(), [t0()]
+    with httpx.Client(base_url=cluster.base_url, timeout=60) as http:
+        publish(http, key, data, random_objects(random.Random(12), 300, clock))
+    with pytest.MonkeyPatch.context() as mp:
+        for name, value in cluster.env.items():
+            mp.setenv(name, value)
+        get_settings.cache_clear()
+        settings = get_settings()
+    get_settings.cache_clear()
+    q = {"type": "range", "bbox": [-180, -90, 180, 90], "limit": 10_000}  # (every worker)
+    query = wire.SnapshotQuery(type="range", bbox=(-180, -90, 180, 90), limit=10_000)
+
+    def received() -> tuple[float, float]:
+        return (REPLIES.labels("inbox")._value.get(), REPLIES.labels("redis")._value.get())
+
+    async def scenario() -> list[tuple[Any, float, tuple[float, float]]]:
+        client = aioredis.from_url(cluster.redis_url)
+        service = QueryService(settings, client, Router(settings, client))
+        await service.open_inbox()
+        inbox = service.inbox
+        assert inbox is not None and inbox.path.startswith(str(settings.data_dir.resolve()))
+        out = []
+
+        async def ask() -> None:
+            before, started = received(), time.monotonic()
+            body = await service.execute(tenant, query)
+            after = received()
+            out.append((body, time.monotonic() - started,
+                        (after[0] - before[0], after[1] - before[1])))
+
+        for _ in range(4):
+            await ask()  # the first through Redis, the others to the inbox
+        assert inbox.reaches(["w0", "w1"])
+        await inbox.stop()  # the workers' connections go: through Redis again
+        assert not inbox.reaches(["w0", "w1"])
+        await ask()
+        # Told to reply to an inbox whose socket is gone (the api's view of it stale): the
+        # workers' sends fail, and the replies wait in the list for the api's look there.
+        inbox2 = Inbox(settings.data_dir.resolve() / "inbox")
+        assert await inbox2.start()
+        service.inbox = inbox2
+        for _ in range(50):
+            if inbox2.reaches(["w0", "w1"]):
+                break
+            await ask()  # (the workers connect to the new inbox as they read its parts)
+        assert inbox2.reaches(["w0", "w1"])
+        server = inbox2._server
+        await inbox2.stop()  # its socket and the workers' connections gone...
+        inbox2._server = server
+        inbox2._workers.update({"w0": 1, "w1": 1})  # ...but not yet known to be
+        await ask()
+        inbox2._server = None
+        await client.aclose()
+        return out
+
+    answers = asyncio.run(scenario())
+    for body, _, _ in answers:
+        assert shaped(q, body["results"]) == data.answer(q)
+    vias = [via for _, _, via in answers]
+    assert vias[0] == (0, 2) and vias[1:4] == [(2, 0)] * 3, vias
+    assert vias[4] == (0, 2), vias
+    assert vias[-1] == (0, 2) and answers[-1][1] >= 0.9, (vias, answers[-1][1])
 
 
 def test_a_query_waits_for_the_backlog_accepted_before_it(cluster: LiveServer) -> None:
