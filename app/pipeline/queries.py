@@ -380,7 +380,7 @@ class QueryService:
         `truncated`, is only known so when the owner holds more)."""
         assert query.point is not None
         px, py = query.point
-        owner = index.workers[int(index.worker_of_points([px], [py])[0])]
+        owner = index.worker_of_point(px, py)
         first = (await run.round([owner], query.k))[0]
         if len(first.records) < query.k or not first.truncated:
             return None

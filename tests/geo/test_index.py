@@ -50,6 +50,23 @@ def test_point_routing() -> None:
     assert workers == [plan.partitions[p].worker for p in parts]
 
 
+@settings(max_examples=100, deadline=None)
+@given(seed=st.integers(0, 10_000), splits=st.integers(0, 40),
+       points=st.lists(st.tuples(
+           st.one_of(st.floats(-180, 180), st.sampled_from([-180.0, 180.0, 0.0, 179.99999])),
+           st.one_of(st.floats(-90, 90), st.sampled_from([-90.0, 90.0, 0.0, -89.99999]))),
+           min_size=1, max_size=30))
+def test_one_point_is_routed_as_arrays_route_it(seed: int, splits: int,
+                                                points: list[tuple[float, float]]) -> None:
+    """`worker_of_point` (a knn's owner, without arrays) agrees with `worker_of_points` on any
+    plan, cell borders and the world's edges included."""
+    gi = GlobalIndex(random_plan(Grid(nx=37, ny=23), splits, seed))
+    lon = np.array([p[0] for p in points])
+    lat = np.array([p[1] for p in points])
+    want = [gi.workers[i] for i in gi.worker_of_points(lon, lat)]
+    assert [gi.worker_of_point(x, y) for x, y in points] == want
+
+
 def random_plan(grid: Grid, n_splits: int, seed: int) -> Plan:
     """Random recursive splits at random positions (not only halves)."""
     rnd = random.Random(seed)
