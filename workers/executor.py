@@ -174,6 +174,7 @@ COUNTS_REPORT_S = 0.5
 READ_COUNT = 256  # entries read from each stream at once
 ADOPTED_BLOCK_MS = 20  # on a Redis Cluster with adopted streams: how long a read of ours blocks
 MAINTENANCE_S = 5.0  # trimming, expiry and the replay of entries left pending
+KEYWORDS_STEP_S = 0.005  # at most this long a step lists the keywords of new records
 SUMMARY_S = 0.2  # how often the keyword summaries of changed subscriptions are written
 TOMBSTONE_S = 6 * 3600.0  # how long a deleted subscription id is remembered (late sub+ copies)
 
@@ -576,6 +577,10 @@ class Executor:
             # Our stream was read to its end, and what was read is processed: every entry
             # added before any part read so far was among it (see `_answer_straight`).
             self._answer_straight()
+        if not self.straight:
+            # the keywords of records added since, listed for keyword queries between steps
+            # rather than by the next such query (a Python pass over every record's keywords)
+            self.records.index_keywords(time.monotonic() + KEYWORDS_STEP_S)
         self.collector.tick()
         now = time.time()
         if self.subs.changed and now - self.summaries_at >= SUMMARY_S:

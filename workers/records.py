@@ -590,6 +590,10 @@ class TenantRecords:
     _stack: Stack | None = field(default=None, repr=False, compare=False)
     _stacked: int = field(default=0, repr=False, compare=False)
     _oldest: int | None = field(default=None, repr=False, compare=False)  # (`oldest_bucket`)
+    # whether a query asked about keywords here, and the first chunks whose keywords are
+    # listed under `vocab` since (`index_keywords`)
+    keywords_asked: bool = field(default=False, repr=False, compare=False)
+    _keywords_listed: int = field(default=0, repr=False, compare=False)
 
     def read(self, region: Region, as_of: float,
              keywords: tuple[frozenset[str], bool] | None = None) -> Flat:
@@ -601,6 +605,7 @@ class TenantRecords:
         tall region is a knn's last rounds, for a rare keyword: in a few chunks, a few rows).
         A view of `after` (made for one query) reads chunk by chunk: a stack of its own
         would cost it more than it saves."""
+        self.keywords_asked = self.keywords_asked or keywords is not None
         if keywords is not None and region.bounds is None:
             chunks = list(self.chunks)
             flat = Flat.of_rows(chunks, [(i, c.rows_with(*keywords, self.vocab))
@@ -642,6 +647,20 @@ class TenantRecords:
         rows = chunk.rows_in(region)
         return rows if terms is None else rows[terms.may_hold(chunk.signature(self.vocab)[rows])]
 
+    def index_keywords(self, deadline: float) -> bool:
+        """List the keywords of the chunks not yet listed under the vocabulary (their
+        `signature`, and so their `occurrences`) until `deadline` (`time.monotonic`); True
+        once every chunk is. Only once a query asked about keywords (`keywords_asked`): a
+        tenant that never does costs no pass over its records' keywords."""
+        if not self.keywords_asked:
+            return True
+        for i in range(self._keywords_listed, len(self.chunks)):
+            if time.monotonic() > deadline:
+                return False
+            self.chunks[i].signature(self.vocab)
+            self._keywords_listed = i + 1
+        return True
+
     def oldest_bucket(self) -> int | None:
         """The oldest bucket of the chunks (None without chunks)."""
         if self._oldest is None and self.chunks:
@@ -652,6 +671,7 @@ class TenantRecords:
         """Chunks from position `first` on are not those the stack was made of any more (from
         the first: the stack goes, and the chunks it held with it)."""
         self._stacked = min(self._stacked, first)
+        self._keywords_listed = min(self._keywords_listed, first)
         self._oldest = None
         if first == 0:
             self._stack = None
@@ -659,6 +679,7 @@ class TenantRecords:
     def term_counts(self, selected: list[tuple[Chunk, I64]]) -> dict[str, int]:
         """How many times each keyword occurs in the rows selected of each chunk: one count
         over the chunks' `occurrences` of those rows."""
+        self.keywords_asked = True
         parts = []
         for chunk, rows in selected:
             if not rows.size:
@@ -829,8 +850,15 @@ class RecordWindow:
             vocab = records.vocab
             if len(vocab.terms) > VOCAB_RENEW_TERMS and now - vocab.since > self.window_s:
                 records.vocab = Vocabulary(now)
+                records._keywords_listed = 0
         for tenant in [t for t, r in self.tenants.items() if not r.size]:
             del self.tenants[tenant]
+
+    def index_keywords(self, deadline: float) -> None:
+        """`TenantRecords.index_keywords` of every tenant, until `deadline`."""
+        for records in self.tenants.values():
+            if not records.index_keywords(deadline):
+                return
 
     def buckets(self) -> set[int]:
         """The buckets of the records held."""

@@ -309,6 +309,7 @@ def _whole_chunks(records: TenantRecords, part: wire.QueryPart, chunks: list[Chu
     time range that hold its keywords."""
     q = part.query
     terms = frozenset(q.keywords)
+    records.keywords_asked = records.keywords_asked or bool(terms)
     for i, chunk in enumerate(chunks):
         if chunk.first_at <= part.as_of:
             rows = _in_time(chunk, part, np.arange(chunk.ts.size, dtype=np.int64))

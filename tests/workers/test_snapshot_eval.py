@@ -569,3 +569,34 @@ def test_a_knn_round_reads_every_point_as_far_as_its_reach(px: float, py: float,
     assert ((x >= west) & (x <= east) & (y >= south) & (y <= north)).all()
     x, y = at(reach * 1.01 + 1.0)
     assert not ((x >= west) & (x <= east) & (y >= south) & (y <= north)).all()
+
+
+def test_keywords_are_listed_between_queries_once_a_query_asked_about_them() -> None:
+    """`index_keywords` lists nothing for a tenant no query asked about keywords; once one
+    did, it lists the keywords of the chunks added since (as far as its deadline lets it), so
+    that the next keyword query finds them listed; and it picks up again after merges."""
+    w = window_of([(0.1 * i, 0.05 * i, {"abc"[i % 3]}) for i in range(60)])
+    t = w.tenants["t"]
+    assert t.index_keywords(float("inf"))
+    assert all(c._signature is None for c in t.chunks)  # no query asked about keywords
+    ask(w, wire.SnapshotQuery(type="keyword", keywords=["a"]), limit=5)
+    assert t.keywords_asked
+    batch = wire.ObjectBatch(
+        tenant="t", sent_at=NOW + 1, plan_version=1, ids=["n0", "n1"], record_ids=["r0", "r1"],
+        moving=[False] * 2, lon=[1.0, 2.0], lat=[1.0, 2.0], ts=[NOW] * 2,
+        keywords=[["b"], ["zz"]], text=[None] * 2, props=[None] * 2, prev=[None] * 2,
+        late=[False] * 2, exit_only=[False] * 2, decide_exit=[False] * 2)
+    for _ in range(3):
+        w.add(batch, int(NOW // 60))
+    assert not t.index_keywords(0.0)  # past its deadline: nothing more is listed
+    assert any(c._signature is None for c in t.chunks)
+    assert t.index_keywords(float("inf"))
+    assert all(c._signature is not None and c._signature[0] is t.vocab for c in t.chunks)
+    assert "zz" in t.vocab.ids  # (listed, its term known)
+    w.add(batch, int(NOW // 60))  # not listed yet, then merged with listed ones: the merge
+    t.compact()                   # is listed anew
+    assert len(t.chunks) == 1 and t.chunks[0]._signature is None
+    assert t.index_keywords(float("inf"))
+    assert all(c._signature is not None for c in t.chunks)
+    listed = ask(w, wire.SnapshotQuery(type="keyword", keywords=["zz"]), limit=10)
+    assert [r.id for r in listed.records] == ["n1"] * 4  # (added four times)
