@@ -187,6 +187,27 @@ def publish(client: httpx.Client, key: str, data: Records, objs: list[dict[str, 
     data.add(objs, r.json()["ids"])
 
 
+def cluster_settings(cluster: LiveServer) -> Any:
+    """The settings the cluster's processes read (for a query service in this process)."""
+    with pytest.MonkeyPatch.context() as mp:
+        for name, value in cluster.env.items():
+            mp.setenv(name, value)
+        get_settings.cache_clear()
+        settings = get_settings()
+    get_settings.cache_clear()
+    return settings
+
+
+def published(cluster: LiveServer, prefix: str, seed: int, n: int) -> tuple[str, Records]:
+    """A new tenant with `n` random records published: its name, and the oracle's data."""
+    tenant = prefix + secrets.token_hex(3)
+    key = cluster.new_key(tenant)
+    data, clock = Records(), [t0()]
+    with httpx.Client(base_url=cluster.base_url, timeout=60) as http:
+        publish(http, key, data, random_objects(random.Random(seed), n, clock))
+    return tenant, data
+
+
 def test_every_query_type_equals_the_oracle_across_a_move_and_a_worker_crash(
         cluster: LiveServer) -> None:
     rng = random.Random(7)
@@ -271,17 +292,8 @@ def test_an_answer_given_at_once_is_found_through_another_api_process(cluster: L
     reaches another api process before the store lands (here held back 0.3 s) waits for it
     instead of answering 404; an id of that shape made moments ago and never stored is 404
     once the grace is over, and an id of another shape at once."""
-    tenant = "race-" + secrets.token_hex(3)
-    key = cluster.new_key(tenant)
-    data, clock = Records(), [t0()]
-    with httpx.Client(base_url=cluster.base_url, timeout=60) as http:
-        publish(http, key, data, random_objects(random.Random(11), 100, clock))
-    with pytest.MonkeyPatch.context() as mp:
-        for name, value in cluster.env.items():
-            mp.setenv(name, value)
-        get_settings.cache_clear()
-        settings = get_settings()
-    get_settings.cache_clear()
+    tenant, data = published(cluster, "race-", 11, 100)
+    settings = cluster_settings(cluster)
     q = {"type": "range", "bbox": [-2, -1, 2, 1], "limit": 10_000}
 
     async def scenario() -> tuple[dict[str, Any], Any, Any, Any, float]:
@@ -322,17 +334,8 @@ def test_replies_come_to_the_inbox_and_through_redis_when_they_cannot(cluster: L
     exact."""
     from app.pipeline.inbox import REPLIES
 
-    tenant = "inbox-" + secrets.token_hex(3)
-    key = cluster.new_key(tenant)
-    data, clock = Records(), [t0()]
-    with httpx.Client(base_url=cluster.base_url, timeout=60) as http:
-        publish(http, key, data, random_objects(random.Random(12), 300, clock))
-    with pytest.MonkeyPatch.context() as mp:
-        for name, value in cluster.env.items():
-            mp.setenv(name, value)
-        get_settings.cache_clear()
-        settings = get_settings()
-    get_settings.cache_clear()
+    tenant, data = published(cluster, "inbox-", 12, 300)
+    settings = cluster_settings(cluster)
     q = {"type": "range", "bbox": [-180, -90, 180, 90], "limit": 10_000}  # (every worker)
     query = wire.SnapshotQuery(type="range", bbox=(-180, -90, 180, 90), limit=10_000)
 
@@ -434,12 +437,7 @@ def test_a_query_planned_with_an_older_plan_is_planned_again(cluster: LiveServer
     key = cluster.new_key(tenant)
     rng = random.Random(9)
     data, clock = Records(), [t0()]
-    with pytest.MonkeyPatch.context() as mp:
-        for name, value in cluster.env.items():
-            mp.setenv(name, value)
-        get_settings.cache_clear()
-        settings = get_settings().model_copy(update={"redis_outbox": outbox})
-    get_settings.cache_clear()
+    settings = cluster_settings(cluster).model_copy(update={"redis_outbox": outbox})
     east = (0.5, -1.5, 2.5, 1.5)
     q = {"type": "range", "bbox": list(east), "limit": 10_000}
 
