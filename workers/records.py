@@ -40,6 +40,10 @@ NX, NY = int(round(360 / CELL_DEG)), int(round(180 / CELL_DEG))
 # vectorised test of every row instead (cheaper there than many slices).
 MAX_CELL_ROWS = 16
 INDEXED_ROWS = 4096
+# In the stack of chunks (`TenantRecords.read`), a binary search costs about as much as the
+# test of this many rows: a tall region is read by its cell runs while they need fewer
+# searches than the test of every row would cost.
+ROWS_PER_SEARCH = 30
 FEW_RUNS = 4  # up to this many runs of cells are sliced one by one (`Chunk.rows_of_bounds`)
 # Chunks of one bucket are merged (`TenantRecords.compact`) while the result stays under this
 # many rows: a query's cost is mostly per chunk, and a stream entry's chunk is small.
@@ -151,8 +155,14 @@ class Region:
         x0, y0, x1, y1 = cell_range(bbox)
         if y1 - y0 >= MAX_CELL_ROWS:
             return Region(bbox, None)
-        ys = np.arange(y0, y1 + 1, dtype=np.int64)
-        return Region(bbox, run_bounds(ys, np.full(ys.size, x0), np.full(ys.size, x1)))
+        return Region(bbox, cell_runs(bbox))
+
+
+def cell_runs(bbox: tuple[float, float, float, float]) -> I64:
+    """The bounds (`run_bounds`) of the runs of coarse cells a bbox covers, a run a row."""
+    x0, y0, x1, y1 = cell_range(bbox)
+    ys = np.arange(y0, y1 + 1, dtype=np.int64)
+    return run_bounds(ys, np.full(ys.size, x0), np.full(ys.size, x1))
 
 
 @dataclass
@@ -600,9 +610,11 @@ class TenantRecords:
         """`Chunk.rows_in` of every chunk, as one `Flat` of the rows that arrived by `as_of`;
         with `keywords` (terms, match_all), only those whose keywords' signature may hold
         them (tested before anything is gathered). Those of the stacked chunks come from one
-        search of the stack (`Stack`), or, for a region without cell runs, one test of every
-        row of it; and with keywords there, from the rows of the keywords in each chunk (a
-        tall region is a knn's last rounds, for a rare keyword: in a few chunks, a few rows).
+        search of the stack (`Stack`); for a region too tall for `Region.of`'s runs, from its
+        runs all the same while they need fewer searches than ROWS_PER_SEARCH allows, else
+        from one test of every row of the stack; and with keywords there, from the rows of
+        the keywords in each chunk (a tall region is a knn's last rounds, for a rare keyword:
+        in a few chunks, a few rows).
         A view of `after` (made for one query) reads chunk by chunk: a stack of its own
         would cost it more than it saves."""
         self.keywords_asked = self.keywords_asked or keywords is not None
@@ -629,11 +641,18 @@ class TenantRecords:
                 stack.extend(itertools.islice(self.chunks, len(stack.chunks), None))
             self._stacked = len(self.chunks)
             chunks = stack.chunks
-            if region.bounds is None:
+            bounds = region.bounds
+            if bounds is None:
+                # a tall region: its cell runs searched in every chunk, or, when there would
+                # be more searches than that pays for, every row tested
+                x0, y0, x1, y1 = cell_range(region.bbox)
+                if 2 * (y1 - y0 + 1) * len(chunks) * ROWS_PER_SEARCH < stack.used:
+                    bounds = cell_runs(region.bbox)
+            if bounds is None:
                 at = np.flatnonzero(bbox_contains(region.bbox, stack.lon[:stack.used],
                                                   stack.lat[:stack.used]))
             else:
-                at = stack.positions(region.bounds)
+                at = stack.positions(bounds)
                 if keywords is not None:
                     sig = stack.signatures(self.vocab)
                     at = at[Terms.of(*keywords, self.vocab).may_hold(sig[at])]

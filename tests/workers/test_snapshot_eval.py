@@ -416,22 +416,22 @@ def test_a_large_old_vocabulary_is_renewed_and_terms_still_count() -> None:
 
 
 def test_the_stack_reads_what_each_chunk_reads_as_the_window_changes() -> None:
-    """`TenantRecords.read` (one search of the stack of chunks, or one test of its rows for a
-    tall region) gives, in chunk order, with their columns, every row of each chunk inside
-    the region that arrived by `as_of`, and no row outside its cells; with keywords, every
-    such row that holds them, and none whose signature cannot; as the window changes under
-    it: entries added (the stack
-    grows at its end), the newest chunks merged as they come (some of them stacked: it is cut
-    back), a query's `as_of` before the last arrivals, the oldest bucket expired, the window
-    compacted (and compacted again, with nothing left to merge), a query's view without the
-    older buckets."""
+    """`TenantRecords.read` (one search of the stack of chunks, or for a tall region one test of
+    its rows, or its cell runs when those need fewer searches) gives, in chunk order, with
+    their columns, every row of each chunk inside the region that arrived by `as_of`, and no
+    row outside its cells; with keywords, every such row that holds them, and none whose
+    signature cannot; as the window changes under it: entries added (the stack grows at its
+    end), the newest chunks merged as they come (some of them stacked: it is cut back), a
+    query's `as_of` before the last arrivals, the oldest bucket expired, the window compacted
+    (and compacted again, with nothing left to merge), the vocabulary renewed, a query's view
+    without the older buckets."""
     rng = np.random.default_rng(5)
     w = RecordWindow(3600, 60)
     regions = [records.Region.of((x, y, x + dx, y + dy))
                for x, y, dx, dy in [(2.0, 48.5, 0.6, 0.5), (2.3, 48.8, 0.05, 0.05),
                                     (-1.0, 47.0, 5.0, 1.0), (2.0, 48.5, 0.0, 0.0),
-                                    (1.0, 40.0, 3.0, 15.0)]]  # (the last: no cell runs)
-    assert regions[-1].bounds is None
+                                    (1.0, 40.0, 3.0, 15.0), (2.05, 48.75, 0.5, 1.75)]]
+    assert regions[-1].bounds is None and regions[-2].bounds is None  # (too tall for runs)
     vocabulary = [f"t{i}" for i in range(300)]
     askings = [None, (frozenset({"t1"}), False), (frozenset({"t2", "t299"}), False),
                (frozenset({"t1", "t7"}), True), (frozenset({"t1", "unknown"}), True),
@@ -455,8 +455,13 @@ def test_the_stack_reads_what_each_chunk_reads_as_the_window_changes() -> None:
 
     def check(as_of: float = NOW + 3600, floor: int | None = None) -> None:
         t = w.tenants["t"] if floor is None else w.tenants["t"].after(floor)
-        for region, asking in itertools.product(regions, askings):
-            got = t.read(region, as_of, asking)
+        for region, asking, per_search in itertools.product(regions, askings, (30, 0)):
+            # (a tall region read by its cell runs too: as if searches cost nothing)
+            saved, records.ROWS_PER_SEARCH = records.ROWS_PER_SEARCH, per_search
+            try:
+                got = t.read(region, as_of, asking)
+            finally:
+                records.ROWS_PER_SEARCH = saved
             terms = None if asking is None else records.Terms.of(*asking, t.vocab)
             read = {id(c): rows for c, rows in got.groups()}
             assert list(read) == [id(c) for c in t.chunks if id(c) in read]  # chunk order
@@ -464,7 +469,7 @@ def test_the_stack_reads_what_each_chunk_reads_as_the_window_changes() -> None:
                 # at least the rows inside the bbox (that hold the keywords), at most those of
                 # the region's cells (whose signature may hold them); sorted here
                 inside = np.flatnonzero(bbox_contains(region.bbox, c.lon, c.lat))
-                cells = inside if region.bounds is None else c.rows_of_bounds(region.bounds)
+                cells = c.rows_of_bounds(records.cell_runs(region.bbox))
                 least = np.sort(inside[c.at[inside] <= as_of])
                 most = np.sort(cells[c.at[cells] <= as_of])
                 if asking is not None:
