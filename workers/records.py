@@ -298,9 +298,9 @@ class Chunk:
         return out
 
     def signature(self, vocab: Vocabulary) -> U64:
-        """Each row's keywords in 64 bits: bit (id mod 64) of the id in `vocab` of each (a
-        row can hold a query's keywords only if it has their bits: a vectorised test that
-        leaves the exact one a few rows). Made on first use, again for another vocabulary."""
+        """Each row's keywords in 64 bits: the `term_bits` of the id in `vocab` of each (a row
+        can hold a query's keywords only if it has their bits: a vectorised test that leaves
+        the exact one a few rows). Made on first use, again for another vocabulary."""
         held = self._signature
         if held is None or held[0] is not vocab:
             ids, rows = self.occurrences(vocab)
@@ -680,6 +680,12 @@ class TenantRecords:
             self._keywords_listed = i + 1
         return True
 
+    def renew_vocabulary(self, now: float) -> None:
+        """A new vocabulary: the terms of records gone go with the old one (the chunks list
+        their keywords again, as queries or `index_keywords` need them)."""
+        self.vocab = Vocabulary(now)
+        self._keywords_listed = 0
+
     def oldest_bucket(self) -> int | None:
         """The oldest bucket of the chunks (None without chunks)."""
         if self._oldest is None and self.chunks:
@@ -868,8 +874,7 @@ class RecordWindow:
             records.compact()
             vocab = records.vocab
             if len(vocab.terms) > VOCAB_RENEW_TERMS and now - vocab.since > self.window_s:
-                records.vocab = Vocabulary(now)
-                records._keywords_listed = 0
+                records.renew_vocabulary(now)
         for tenant in [t for t, r in self.tenants.items() if not r.size]:
             del self.tenants[tenant]
 

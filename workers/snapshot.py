@@ -274,9 +274,8 @@ def _candidates(records: TenantRecords, part: wire.QueryPart, region: Region,
     """The rows each chunk seen by the query (arrived by `as_of`) reads for `region`
     (`TenantRecords.read`: every row of the cells it covers, in one array per column, less,
     with `keywords`, those whose keywords' signature cannot hold the query's) within its
-    time range: the
-    caller tests them in one vectorised call (a window holds a chunk or more per bucket,
-    sixty buckets an hour: a call per chunk cost more than the test)."""
+    time range: the caller tests them in one vectorised call (a window holds a chunk or more
+    per bucket, sixty buckets an hour: a call per chunk cost more than the test)."""
     q = part.query
     flat = records.read(region, part.as_of,
                         (frozenset(q.keywords), q.match_all) if keywords else None)
