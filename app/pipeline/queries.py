@@ -427,7 +427,7 @@ class QueryService:
         pipe = Batch()
         border = _Run(self, tenant, msgspec.structs.replace(query, skip_cells=cells),
                       run.as_of, run.deadline, [], run.version)
-        sending = border.send(pipe, targets, 0)
+        sending = border.send(pipe, targets, 0, straight=False)
         adopters = len(pipe)
         for w in targets:
             pipe.execute_command("GET", names.adopter_key(w))
@@ -573,15 +573,18 @@ class _Run:
             pipe.command_stack, block_s=FIRST_WAIT_S))
 
     def send(self, pipe: Batch, workers: Iterable[str], limit: int,
-             latest_of: list[str] | None = None) -> _Sending:
-        """Queue one part to each worker on `pipe` (whose replies `gather` then takes)."""
+             latest_of: list[str] | None = None, straight: bool = True) -> _Sending:
+        """Queue one part to each worker on `pipe` (whose replies `gather` then takes);
+        `straight`: the answers may come to the inbox (not when the pipeline must wait for
+        the first through Redis before its later commands: `count_from_metadata`)."""
         token = secrets.token_hex(12)
         settings = self.service.settings
         order = sorted(set(workers))
         inbox = self.service.inbox
         # straight replies when every worker asked reaches the inbox (the archive's runner
         # replies through Redis); a worker that does not yet, connects as it reads the part
-        direct = inbox is not None and self.cut is None and inbox.reaches(order)
+        direct = (straight and inbox is not None and self.cut is None
+                  and inbox.reaches(order))
         part = wire.encode_entry(wire.QueryPart(
             reply=token, tenant=self.tenant, query=self.query, as_of=self.as_of,
             deadline=self.deadline, limit=limit, latest_of=latest_of,
