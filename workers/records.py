@@ -243,23 +243,10 @@ class Chunk:
         return index
 
     def with_keywords(self, terms: frozenset[str], match_all: bool, vocab: Vocabulary) -> Bool:
-        """Which rows have every one of `terms` (`match_all`) or any of them: from the rows of
-        each term (`postings`)."""
-        index = self.postings(vocab)
-        n = self.ts.size
-        wanted = [index.get(vocab.ids.get(term, -1)) for term in terms]
-        if not match_all:
-            mask = np.zeros(n, dtype=bool)
-            for found in wanted:
-                if found is not None:
-                    mask[found] = True
-            return mask
-        counts = np.zeros(n, dtype=np.int64)
-        for found in wanted:
-            if found is None:
-                return np.zeros(n, dtype=bool)
-            counts[found] += 1
-        held: Bool = counts == len(terms)
+        """Which rows have every one of `terms` (`match_all`) or any of them (`rows_with`, as
+        a mask over the chunk)."""
+        held: Bool = np.zeros(self.ts.size, dtype=bool)
+        held[self.rows_with(terms, match_all, vocab)] = True
         return held
 
     def rows_with(self, terms: frozenset[str], match_all: bool, vocab: Vocabulary) -> I32:

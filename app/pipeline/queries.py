@@ -635,8 +635,7 @@ class _Run:
         if -1 in sent or (svc.router.outbox is not None and self.version
                           and await self._plan_changed()):
             # the parts sent are answered to a list nobody reads, which expires
-            if sending.inbox is not None and svc.inbox is not None:
-                svc.inbox.forget(token)
+            self._forget(sending)
             raise StalePlan(self.version)
         waiting = set(order) | ({ARCHIVE} if sending.archive else set())
         straight = {w for w, how in zip(order, sent, strict=True) if how == 1}
@@ -671,11 +670,15 @@ class _Run:
                 replies.append(reply)
             answered = True
         finally:
-            if sending.inbox is not None and svc.inbox is not None:
-                svc.inbox.forget(token)
+            self._forget(sending)
             if not answered:  # the list empties (and so goes) as the answers are taken
                 await redis.delete(key)
         return replies
+
+    def _forget(self, sending: _Sending) -> None:
+        """No more answers of these parts are awaited on the inbox."""
+        if sending.inbox is not None and self.service.inbox is not None:
+            self.service.inbox.forget(sending.token)
 
     async def _next_answer(self, sending: _Sending, key: str, wait: float
                            ) -> tuple[Any, bytes] | None:
