@@ -71,7 +71,9 @@ def knn_sub(sub_id: str, spec: dict[str, Any], radius: float | None = None,
 def top_k(window: LiveWindow, sub: KnnSub) -> list[tuple[float, str, float, float]]:
     """The k records of the window nearest to the subscription's point that satisfy its
     keyword predicate, within its radius, as (distance rounded to the millimetre, id, lon,
-    lat), ties broken by id: the brute-force statement of `KnnState`'s lists (tests)."""
+    lat), ties broken by id: the brute-force statement of `KnnState`'s lists (tests). A
+    moving object and an event may share an id; at one distance they are ordered by
+    position, as the lists order them."""
     ids, lons, lats = [], [], []
     for source in (window.moving, window.events):
         for oid, (lon, lat, kws) in source.items():
@@ -84,7 +86,7 @@ def top_k(window: LiveWindow, sub: KnnSub) -> list[tuple[float, str, float, floa
     d = [round(x, 3) for x in
          haversine_m(sub.lon, sub.lat, np.asarray(lons), np.asarray(lats)).tolist()]
     order = sorted((i for i in range(len(ids)) if d[i] <= sub.radius),
-                   key=lambda i: (d[i], ids[i]))[:sub.k]
+                   key=lambda i: (d[i], ids[i], lons[i], lats[i]))[:sub.k]
     return [(d[i], ids[i], lons[i], lats[i]) for i in order]
 
 
