@@ -44,6 +44,12 @@ INDEXED_ROWS = 4096
 # test of this many rows: a tall region is read by its cell runs while they need fewer
 # searches than the test of every row would cost.
 ROWS_PER_SEARCH = 30
+# The stack's chunks past its cell-major index are searched one by one: they are brought into
+# it once this many are of buckets older than the newest (whose chunks still merge as added).
+INDEX_AFTER = 4
+# (between steps, `TenantRecords.index_cells`; a query does it once this many times as many
+# are left out)
+QUERY_INDEXES_AFTER = 4
 FEW_RUNS = 4  # up to this many runs of cells are sliced one by one (`Chunk.rows_of_bounds`)
 # Chunks of one bucket are merged (`TenantRecords.compact`) while the result stays under this
 # many rows: a query's cost is mostly per chunk, and a stream entry's chunk is small.
@@ -419,6 +425,7 @@ class BucketCells:
 
 # A chunk's position above a coarse cell in `Stack.keys` (NX * NY < 2**23 cells).
 CELL_BITS = 23
+CELL_MASK = (1 << CELL_BITS) - 1
 
 
 class Stack:
@@ -454,6 +461,15 @@ class Stack:
         self.sig: U64 = np.empty(0, dtype=np.uint64)
         self.signed = 0
         self.sig_vocab: Vocabulary | None = None
+        # the cell-major index of the first `indexed` chunks (`index`): the cells of their
+        # `indexed_rows` rows in ascending order, and the position in the stack of each (the
+        # first `indexed_rows` of arrays with room to grow, and a spare pair the next
+        # `index` merges into: memory touched once, not page by page at every merge)
+        self.indexed = 0
+        self.indexed_rows = 0
+        self.by_cell: I32 = np.empty(0, dtype=np.int32)
+        self.at_cell: I64 = np.empty(0, dtype=np.int64)
+        self._spare: tuple[I32, I64] = (self.by_cell, self.at_cell)
 
     def truncate(self, n: int) -> None:
         """Keep the first `n` chunks."""
@@ -462,6 +478,43 @@ class Stack:
         self.used = self.ends[n - 1] if n else 0
         del self.chunks[n:], self.ends[n:]
         self.signed = min(self.signed, n)
+        if n < self.indexed:  # (rare: chunks of older buckets merged again)
+            held = self.indexed_rows
+            keep = self.at_cell[:held] < self.used
+            kept = int(np.count_nonzero(keep))
+            self.by_cell[:kept] = self.by_cell[:held][keep]
+            self.at_cell[:kept] = self.at_cell[:held][keep]
+            self.indexed, self.indexed_rows = n, kept
+
+    def index(self, upto: int) -> None:
+        """Bring the first `upto` chunks into the cell-major index: their rows' cells, sorted
+        (each chunk's are: a merge of sorted runs), merged after the equal cells of the
+        chunks indexed before (positions ascend within a cell)."""
+        if upto <= self.indexed:
+            return
+        held = self.indexed_rows
+        b = self.ends[upto - 1]
+        cells = (self.keys[held:b] & CELL_MASK).astype(np.int32)
+        order = np.argsort(cells, kind="stable")
+        cells = cells[order]
+        total = b
+        by_cell, at_cell = self._spare
+        if by_cell.size < total:
+            room = max(total, 2 * by_cell.size)
+            by_cell, at_cell = np.empty(room, dtype=np.int32), np.empty(room, dtype=np.int64)
+        new: Any = slice(0, total)
+        if held:
+            new = np.searchsorted(self.by_cell[:held], cells, side="right")
+            new += np.arange(cells.size)
+            old = np.ones(total, dtype=bool)
+            old[new] = False
+            by_cell[:total][old] = self.by_cell[:held]
+            at_cell[:total][old] = self.at_cell[:held]
+        by_cell[new] = cells
+        at_cell[new] = order + held
+        self._spare = (self.by_cell, self.at_cell)
+        self.by_cell, self.at_cell = by_cell, at_cell
+        self.indexed, self.indexed_rows = upto, total
 
     def extend(self, chunks: Iterable[Chunk]) -> None:
         """Stack these chunks after the ones held."""
@@ -511,22 +564,39 @@ class Stack:
 
     def positions(self, bounds: I64) -> I64:
         """The positions in the stack of the rows of every chunk in the coarse-cell runs
-        whose bounds `run_bounds` made, chunk after chunk."""
+        whose bounds `run_bounds` made: those of the indexed chunks from one search of the
+        cell-major index (in cell order), then those of each chunk after them, chunk after
+        chunk."""
+        found = []
+        if self.indexed:
+            ends = np.searchsorted(self.by_cell[:self.indexed_rows], bounds.astype(np.int32))
+            found.append(self.at_cell[_runs(ends)])
         n = len(self.chunks)
-        if not n:
-            return np.empty(0, dtype=np.int64)
-        found = np.searchsorted(self.keys[:self.used], (
-            (np.arange(n, dtype=np.int64) << CELL_BITS)[:, None] | bounds).ravel())
-        starts = found[0::2]
-        lens = found[1::2] - starts
-        np.maximum(lens, 0, out=lens)  # an empty run (xb < xa)
-        return run_positions(starts, lens)
+        if n > self.indexed:
+            first = np.arange(self.indexed, n, dtype=np.int64) << CELL_BITS
+            found.append(_runs(np.searchsorted(self.keys[:self.used],
+                                               (first[:, None] | bounds).ravel())))
+        if len(found) == 1:
+            return found[0]
+        return np.concatenate(found) if found else np.empty(0, dtype=np.int64)
+
+    def searches(self, runs: int) -> int:
+        """How many binary searches `positions` makes for this many runs of cells."""
+        return 2 * runs * (int(self.indexed > 0) + len(self.chunks) - self.indexed)
+
+
+def _runs(ends: I64) -> I64:
+    """The positions of runs from searchsorted's interleaved (start, end) of each."""
+    starts = ends[0::2]
+    lens = ends[1::2] - starts
+    np.maximum(lens, 0, out=lens)  # an empty run (xb < xa)
+    return run_positions(starts.astype(np.int64), lens.astype(np.int64))
 
 
 class Flat(NamedTuple):
-    """Rows of a tenant's chunks read for a query, in one array per column, chunk after chunk
-    in chunk order: row `row[j]` of chunk `chunks[which[j]]`, at (`lon[j]`, `lat[j]`), of time
-    `ts[j]`, accepted at `at[j]`."""
+    """Rows of a tenant's chunks read for a query, in one array per column: row `row[j]` of
+    chunk `chunks[which[j]]`, at (`lon[j]`, `lat[j]`), of time `ts[j]`, accepted at `at[j]`;
+    in no particular order (`by_chunk` puts them in chunk order)."""
 
     chunks: list[Chunk]
     which: I64
@@ -544,14 +614,23 @@ class Flat(NamedTuple):
         return Flat(self.chunks, self.which[keep], self.row[keep], self.lon[keep],
                     self.lat[keep], self.ts[keep], self.at[keep])
 
-    def groups(self) -> Iterator[tuple[Chunk, I64]]:
-        """Each chunk with rows here and its rows."""
+    def by_chunk(self) -> Flat:
+        """These rows chunk after chunk in chunk order (in the order they are here within a
+        chunk)."""
         which = self.which
+        if which.size < 2 or bool((which[1:] >= which[:-1]).all()):
+            return self
+        return self.take(np.argsort(which, kind="stable"))
+
+    def groups(self) -> Iterator[tuple[Chunk, I64]]:
+        """Each chunk with rows here and its rows, in chunk order (that of `by_chunk`)."""
+        flat = self.by_chunk()
+        which = flat.which
         if not which.size:
             return
         cuts = (np.flatnonzero(which[1:] != which[:-1]) + 1).tolist()
         for a, b in zip([0, *cuts], [*cuts, which.size], strict=True):
-            yield self.chunks[int(which[a])], self.row[a:b]
+            yield self.chunks[int(which[a])], flat.row[a:b]
 
     @staticmethod
     def of_rows(chunks: list[Chunk], found: list[tuple[int, I64 | I32]]) -> Flat:
@@ -620,20 +699,14 @@ class TenantRecords:
             flat = Flat.of_rows(chunks, [(i, self._rows_of(c, region, terms))
                                          for i, c in enumerate(chunks) if c.first_at <= as_of])
         else:
-            stack = self._stack
-            if stack is None:
-                stack = self._stack = Stack()
-            stack.truncate(self._stacked)
-            if len(self.chunks) > len(stack.chunks):
-                stack.extend(itertools.islice(self.chunks, len(stack.chunks), None))
-            self._stacked = len(self.chunks)
+            stack = self._stacked_chunks(INDEX_AFTER * QUERY_INDEXES_AFTER)
             chunks = stack.chunks
             bounds = region.bounds
             if bounds is None:
-                # a tall region: its cell runs searched in every chunk, or, when there would
-                # be more searches than that pays for, every row tested
+                # a tall region: its cell runs searched, or, when there would be more
+                # searches than that pays for, every row tested
                 x0, y0, x1, y1 = cell_range(region.bbox)
-                if 2 * (y1 - y0 + 1) * len(chunks) * ROWS_PER_SEARCH < stack.used:
+                if stack.searches(y1 - y0 + 1) * ROWS_PER_SEARCH < stack.used:
                     bounds = cell_runs(region.bbox)
             if bounds is None:
                 at = np.flatnonzero(bbox_contains(region.bbox, stack.lon[:stack.used],
@@ -648,6 +721,32 @@ class TenantRecords:
         if flat.at.size and float(flat.at.max()) > as_of:
             flat = flat.take(flat.at <= as_of)
         return flat
+
+    def _stacked_chunks(self, index_after: int) -> Stack:
+        """The stack brought up to date with the chunks, and its cell-major index with those
+        before the newest bucket's once `index_after` of them are not in it."""
+        stack = self._stack
+        if stack is None:
+            stack = self._stack = Stack()
+        stack.truncate(self._stacked)
+        if len(self.chunks) > len(stack.chunks):
+            stack.extend(itertools.islice(self.chunks, len(stack.chunks), None))
+        self._stacked = len(self.chunks)
+        chunks = stack.chunks
+        settled = len(chunks)  # the chunks before those of the newest bucket
+        while settled and chunks[settled - 1].bucket == chunks[-1].bucket:
+            settled -= 1
+        if settled - stack.indexed >= index_after:
+            stack.index(settled)
+        return stack
+
+    def index_cells(self) -> None:
+        """Bring the chunks of older buckets into the stack's cell-major index (once
+        INDEX_AFTER are not), between steps rather than in a query (a merge into the index
+        costs a pass over it). Only once a query made the stack: a tenant nobody asks about
+        costs no index."""
+        if self._stack is not None and self.floor == NO_CUT:
+            self._stacked_chunks(INDEX_AFTER)
 
     def _rows_of(self, chunk: Chunk, region: Region, terms: Terms | None) -> I64:
         rows = chunk.rows_in(region)
@@ -870,6 +969,11 @@ class RecordWindow:
         for records in self.tenants.values():
             if not records.index_keywords(deadline):
                 return
+
+    def index_cells(self) -> None:
+        """`TenantRecords.index_cells` of every tenant."""
+        for records in self.tenants.values():
+            records.index_cells()
 
     def buckets(self) -> set[int]:
         """The buckets of the records held."""

@@ -319,7 +319,9 @@ def _whole_chunks(records: TenantRecords, part: wire.QueryPart, chunks: list[Chu
 
 def _holding(records: TenantRecords, flat: Flat, terms: frozenset[str], match_all: bool
              ) -> Flat:
-    """The rows of `flat` that hold the keywords (`Chunk.holds`, chunk by chunk)."""
+    """The rows of `flat` that hold the keywords (`Chunk.holds`, chunk by chunk), in chunk
+    order."""
+    flat = flat.by_chunk()
     keep = [chunk.holds(rows, terms, match_all, records.vocab) for chunk, rows in flat.groups()]
     return flat.take(np.concatenate(keep)) if keep else flat
 

@@ -36,13 +36,17 @@ def read_by(request: pytest.FixtureRequest) -> Iterator[None]:
     """Both ways a chunk finds a region's rows: its cell index (here for chunks of any size,
     merged as they are added) and the scan of every row (small chunks, tall regions; here one
     chunk per entry); and chunks merged as the window's maintenance merges them."""
-    saved = records.INDEXED_ROWS, records.MERGED_ON_ADD_ROWS
+    saved = (records.INDEXED_ROWS, records.MERGED_ON_ADD_ROWS, records.INDEX_AFTER,
+             records.QUERY_INDEXES_AFTER)
     records.INDEXED_ROWS = 10**9 if request.param == "scan" else 0
     if request.param == "scan":
         records.MERGED_ON_ADD_ROWS = 0
+    else:  # the stack's cell-major index holds every chunk of an older bucket
+        records.INDEX_AFTER = records.QUERY_INDEXES_AFTER = 1
     MERGED["merged"] = request.param == "merged-cells"
     yield
-    records.INDEXED_ROWS, records.MERGED_ON_ADD_ROWS = saved
+    (records.INDEXED_ROWS, records.MERGED_ON_ADD_ROWS, records.INDEX_AFTER,
+     records.QUERY_INDEXES_AFTER) = saved
     MERGED["merged"] = False
 
 # coordinates on the 0.1° cell borders, beside them, and at the world's edges
@@ -58,20 +62,20 @@ record_st = st.tuples(coord_lon, coord_lat, st.sets(st.sampled_from("abc"), max_
 def window_of(rows: list[tuple[float, float, set[str]]], grid: Grid | None = None
               ) -> RecordWindow:
     w = RecordWindow(3600, 60, grid)
-    for a in range(0, len(rows), 7):  # several chunks
+    for a in range(0, len(rows), 7):  # several chunks, of three buckets
         part = rows[a:a + 7]
         n = len(part)
         w.add(wire.ObjectBatch(
-            tenant="t", sent_at=NOW + a / 1000,  # arrivals in order, in one bucket
+            tenant="t", sent_at=NOW + a / 1000,  # arrivals in order
             plan_version=1, ids=[f"o{a + i}" for i in range(n)],
             record_ids=[f"r{a + i}" for i in range(n)], moving=[False] * n,
             lon=[r[0] for r in part], lat=[r[1] for r in part], ts=[NOW] * n,
             keywords=[sorted(r[2]) for r in part], text=[None] * n, props=[None] * n,
             prev=[None] * n, late=[False] * n, exit_only=[False] * n, decide_exit=[False] * n),
-            int(NOW // 60))
+            int(NOW // 60) - 2 + min(2, a // 14))
     if MERGED["merged"]:
         w.expire(NOW, -1)
-        assert all(len(t.chunks) <= 1 for t in w.tenants.values())
+        assert all(len(t.chunks) <= 3 for t in w.tenants.values())  # (one a bucket)
     return w
 
 
@@ -329,7 +333,7 @@ def test_range_and_keyword_lists_are_the_newest_first(rows: list[Any], data: Any
     `truncated` when more matched. Rows are read newest first from a partial sort (`few`:
     how many it sorts first, so that small windows also read past them)."""
     w = RecordWindow(3600, 60)
-    for a in range(0, len(rows), 7):  # several chunks, arrivals in order
+    for a in range(0, len(rows), 7):  # several chunks of three buckets, arrivals in order
         part = rows[a:a + 7]
         n = len(part)
         w.add(wire.ObjectBatch(
@@ -339,7 +343,7 @@ def test_range_and_keyword_lists_are_the_newest_first(rows: list[Any], data: Any
             lon=[r[0] for r in part], lat=[r[1] for r in part], ts=[NOW - r[3] for r in part],
             keywords=[sorted(r[2]) for r in part], text=[None] * n, props=[None] * n,
             prev=[None] * n, late=[False] * n, exit_only=[False] * n, decide_exit=[False] * n),
-            int(NOW // 60))
+            int(NOW // 60) - 2 + min(2, a // 14))
     # each moving object's latest record: the greatest (ts, arrival), the later row of ties
     last: dict[str, int] = {}
     for j, r in enumerate(rows):
@@ -415,16 +419,21 @@ def test_a_large_old_vocabulary_is_renewed_and_terms_still_count() -> None:
     assert sorted(r.id for r in listed.records) == sorted(f"o{i}" for i in range(0, 50, 3))
 
 
-def test_the_stack_reads_what_each_chunk_reads_as_the_window_changes() -> None:
-    """`TenantRecords.read` (one search of the stack of chunks, or for a tall region one test of
-    its rows, or its cell runs when those need fewer searches) gives, in chunk order, with
-    their columns, every row of each chunk inside the region that arrived by `as_of`, and no
-    row outside its cells; with keywords, every such row that holds them, and none whose
-    signature cannot; as the window changes under it: entries added (the stack grows at its
-    end), the newest chunks merged as they come (some of them stacked: it is cut back), a
-    query's `as_of` before the last arrivals, the oldest bucket expired, the window compacted
-    (and compacted again, with nothing left to merge), the vocabulary renewed, a query's view
-    without the older buckets."""
+@pytest.mark.parametrize("index_after", [1, records.INDEX_AFTER, 10**9])
+def test_the_stack_reads_what_each_chunk_reads_as_the_window_changes(
+        index_after: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`TenantRecords.read` (one search of the stack's cell-major index and of each chunk past
+    it, or for a tall region one test of its rows, or its cell runs when those need fewer
+    searches) gives, with their columns, every row of each chunk inside the region that
+    arrived by `as_of`, and no row outside its cells; with keywords, every such row that holds
+    them, and none whose signature cannot; as the window changes under it: entries added (the
+    stack grows at its end), the newest chunks merged as they come (some of them stacked: it
+    is cut back), a query's `as_of` before the last arrivals, the oldest bucket expired, the
+    window compacted (and compacted again, with nothing left to merge), the vocabulary
+    renewed, a query's view without the older buckets, chunks of an older bucket brought into
+    the cell-major index (as soon as one is settled, as configured, or never) and merged again
+    by a compaction (the index is cut back to the chunks before them)."""
+    monkeypatch.setattr(records, "INDEX_AFTER", index_after)
     rng = np.random.default_rng(5)
     w = RecordWindow(3600, 60)
     regions = [records.Region.of((x, y, x + dx, y + dy))
@@ -479,10 +488,23 @@ def test_the_stack_reads_what_each_chunk_reads_as_the_window_changes() -> None:
                 got_rows = np.sort(read.get(id(c), np.empty(0, dtype=np.int64)))
                 assert np.isin(least, got_rows).all() and np.isin(got_rows, most).all()
                 assert np.unique(got_rows).size == got_rows.size
+            ordered = got.by_chunk()
+            pairs = [sorted(zip(f.which.tolist(), f.row.tolist(), strict=True))
+                     for f in (got, ordered)]
+            assert pairs[0] == pairs[1]
             for name in ("lon", "lat", "ts", "at"):
                 column = [getattr(c, name)[rows] for c, rows in got.groups()]
-                assert np.array_equal(getattr(got, name),
+                assert np.array_equal(getattr(ordered, name),
                                       np.concatenate(column) if column else np.empty(0))
+        stack = t._stack
+        if stack is not None:  # (not a view's)
+            # every row of the indexed chunks once in the index, in cell order
+            held = stack.ends[stack.indexed - 1] if stack.indexed else 0
+            assert stack.indexed_rows == held
+            by_cell, at_cell = stack.by_cell[:held], stack.at_cell[:held]
+            assert np.array_equal(np.sort(at_cell), np.arange(held))
+            assert np.array_equal(by_cell, stack.keys[at_cell] & records.CELL_MASK)
+            assert (np.diff(by_cell) >= 0).all()
 
     add(20, 1)
     check()
@@ -510,6 +532,27 @@ def test_the_stack_reads_what_each_chunk_reads_as_the_window_changes() -> None:
     check()
     check(floor=2)  # a query's view without the older buckets
     assert w.tenants["t"].after(2).chunks
+    add(5, 4)
+    check()
+    stack = w.tenants["t"]._stack
+    assert stack is not None
+    settled = sum(c.bucket < 4 for c in w.tenants["t"].chunks)
+    assert settled > 2
+    out = settled - stack.indexed  # (a query indexes them once QUERY_INDEXES_AFTER x as many)
+    assert out < index_after * records.QUERY_INDEXES_AFTER or index_after > settled
+    before = stack.indexed
+    w.index_cells()  # between steps: once `index_after` are out
+    assert stack.indexed == (settled if out >= index_after else before)
+    check()
+    w.tenants["t"].compact()  # bucket 3's and 4's chunks merged: the index is cut back
+    assert sum(c.bucket < 4 for c in w.tenants["t"].chunks) < settled
+    check()  # (and brought up to date again)
+    assert w.tenants["t"]._stack is stack
+    add(1, 5)
+    w.index_cells()
+    check()
+    if index_after in (1, 10**9):
+        assert stack.indexed == (len(w.tenants["t"].chunks) - 1 if index_after == 1 else 0)
 
 
 def test_knn_first_radius_reads_the_newest_buckets_scaled_to_the_window() -> None:
@@ -600,7 +643,7 @@ def test_keywords_are_listed_between_queries_once_a_query_asked_about_them() -> 
     assert "zz" in t.vocab.ids  # (listed, its term known)
     w.add(batch, int(NOW // 60))  # not listed yet, then merged with listed ones: the merge
     t.compact()                   # is listed anew
-    assert len(t.chunks) == 1 and t.chunks[0]._signature is None
+    assert len(t.chunks) == 3 and t.chunks[-1]._signature is None  # (a chunk a bucket)
     assert t.index_keywords(float("inf"))
     assert all(c._signature is not None for c in t.chunks)
     listed = ask(w, wire.SnapshotQuery(type="keyword", keywords=["zz"]), limit=10)
