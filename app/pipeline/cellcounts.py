@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from app.core.redis import run_script
-from app.geo.grid import Grid, run_positions
+from app.geo.grid import Grid
 from app.pipeline import names, wire
 from app.pipeline.cluster import entry_order
 
@@ -107,7 +107,103 @@ class BucketCounts:
     counts: Any
 
 
-RUN = 1 << 32  # a bucket's run in `HeldCounts.joined` keys (beyond any row of any grid)
+RUN = 1 << 32  # a cell's row in `Summed.keys` (beyond any column of any grid)
+# The newest buckets held are summed on their own at each count (they still change: under
+# load, at every read); the older ones into one `Summed`, brought up to date by difference.
+RECENT_BUCKETS = 2
+Array = Any  # (a numpy array)
+
+
+@dataclass(frozen=True)
+class Summed:
+    """Some buckets' counts summed per cell: the cells (keys `cy * RUN + cx`, ascending,
+    distinct) and the running sum of their records (`below[i]`: those of the cells before
+    `keys[i]`), so that the records of a run of cells are a difference of two running sums;
+    `fields`: the counts summed (a `BucketCounts` is one version of a bucket's)."""
+
+    fields: dict[str, BucketCounts]
+    keys: Array
+    below: Array
+
+    @staticmethod
+    def of(fields: dict[str, BucketCounts]) -> Summed:
+        held = [h for h in fields.values() if h.counts.size]
+        if not held:
+            return Summed(dict(fields), np.empty(0, dtype=np.int64), np.zeros(1, dtype=np.int64))
+        keys, counts = _summed(np.concatenate([_keys(h) for h in held]),
+                               np.concatenate([h.counts for h in held]))
+        return Summed(dict(fields), keys, _running(counts))
+
+    def changed(self, fields: dict[str, BucketCounts]) -> Summed:
+        """The sum of `fields`, from this one: the counts it sums that are gone or changed
+        taken out, those new or changed added (a pass over its cells, not a sort of all)."""
+        gone = [h for f, h in self.fields.items() if fields.get(f) is not h]
+        new = [h for f, h in fields.items() if self.fields.get(f) is not h]
+        if not gone and not new:
+            return self
+        if 2 * (len(gone) + len(new)) > len(fields):  # most of it changed: summed anew
+            return Summed.of(fields)
+        keys, counts = self.keys, np.diff(self.below)
+        if gone:
+            out_keys, out_counts = _summed(np.concatenate([_keys(h) for h in gone]),
+                                           np.concatenate([h.counts for h in gone]))
+            counts[np.searchsorted(keys, out_keys)] -= out_counts  # (all of them are here)
+        if new:
+            in_keys, in_counts = _summed(np.concatenate([_keys(h) for h in new]),
+                                         np.concatenate([h.counts for h in new]))
+            at: Array = np.searchsorted(keys, in_keys)
+            here = at < keys.size
+            here[here] = keys[at[here]] == in_keys[here]
+            counts[at[here]] += in_counts[here]
+            if not here.all():  # cells not held yet: inserted in order
+                keys = np.insert(keys, at[~here], in_keys[~here])
+                counts = np.insert(counts, at[~here], in_counts[~here])
+        held = counts != 0  # (cells whose records are all gone)
+        if not held.all():
+            keys, counts = keys[held], counts[held]
+        return Summed(dict(fields), keys, _running(counts))
+
+    def count(self, cells: tuple[int, int, int, int]) -> int:
+        """The records in the cells (x0, y0, x1, y1): the run of each row, searched."""
+        return _count(self.keys, self.below, cells)
+
+
+def _keys(h: BucketCounts) -> Array:
+    return h.cy.astype(np.int64) * RUN + h.cx
+
+
+def _summed(keys: Array, counts: Array) -> tuple[Array, Array]:
+    """Counts of the same key summed, keys ascending (those whose counts sum to 0 left out):
+    over the rectangle of rows and columns they span when it is not much larger than they
+    are many (a bincount), else by a sort."""
+    if not keys.size:
+        return keys, counts
+    cy, cx = keys // RUN, keys % RUN
+    first = int(cy.min())
+    width, height = int(cx.max()) + 1, int(cy.max()) - first + 1
+    if width * height <= 8 * keys.size + (1 << 16):
+        dense = np.bincount((cy - first) * width + cx, weights=counts,
+                            minlength=width * height)
+        at = np.flatnonzero(dense)
+        return (at // width + first) * RUN + at % width, dense[at].astype(np.int64)
+    keys, at = np.unique(keys, return_inverse=True)
+    summed = np.bincount(at.ravel(), weights=counts, minlength=keys.size).astype(np.int64)
+    held = summed != 0
+    return keys[held], summed[held]
+
+
+def _running(counts: Array) -> Array:
+    below = np.zeros(counts.size + 1, dtype=np.int64)
+    np.cumsum(counts, out=below[1:])
+    return below
+
+
+def _count(keys: Array, below: Array, cells: tuple[int, int, int, int]) -> int:
+    x0, y0, x1, y1 = cells
+    rows = np.arange(y0, y1 + 1, dtype=np.int64) * RUN
+    a = np.searchsorted(keys, rows + x0)
+    b = np.searchsorted(keys, rows + x1 + 1)
+    return int((below[b] - below[a]).sum())
 
 
 @dataclass
@@ -117,32 +213,31 @@ class HeldCounts:
 
     mark: bytes | None
     fields: dict[str, BucketCounts]
-    # every field's cells joined, made on first use (`count`): the buckets of the runs, the
-    # runs' keys (run * RUN + cy: ascending, as each run's rows are), cx and counts
-    joined: tuple[Any, Any, Any, Any] | None = None
+    # the buckets before the newest RECENT_BUCKETS summed (`count`, made on first use from
+    # `prior`: the sum of the counts held before, if any)
+    summed: Summed | None = None
+    prior: Summed | None = None
 
     def count(self, cells: tuple[int, int, int, int], horizon: int) -> int:
-        """The records in the cells (x0, y0, x1, y1) of the buckets from `horizon` on. Each
-        bucket is a run of cells in row order: one search over the joined runs finds the
-        rows y0..y1 of every bucket at once, and only those cells are tested (a box of a
-        few degrees of latitude reads a few per cent of the cells)."""
-        if self.joined is None:
-            held = [h for h in self.fields.values() if h.counts.size]
-            if not held:
-                return 0
-            self.joined = (np.array([h.bucket for h in held], dtype=np.int64),
-                           np.concatenate([h.cy.astype(np.int64) + i * RUN
-                                           for i, h in enumerate(held)]),
-                           np.concatenate([h.cx for h in held]),
-                           np.concatenate([h.counts for h in held]))
-        buckets, keys, cx, counts = self.joined
-        x0, y0, x1, y1 = cells
-        runs = np.flatnonzero(buckets >= horizon) * RUN
-        lo = np.searchsorted(keys, runs + y0, side="left")
-        hi = np.searchsorted(keys, runs + y1, side="right")
-        at = run_positions(lo, hi - lo)
-        x = cx[at]
-        return int(counts[at][(x >= x0) & (x <= x1)].sum())
+        """The records in the cells (x0, y0, x1, y1) of the buckets from `horizon` on: those of
+        the older buckets from their sum (`Summed`, kept from one state of the counts to the
+        next), those of the newest RECENT_BUCKETS each on its own (a search of each row of
+        cells: a box of a few degrees reads a few runs of each)."""
+        fields = self.fields
+        if not fields:
+            return 0
+        if any(h.bucket < horizon for h in fields.values()):  # (older buckets left out)
+            return sum(_count(_keys(h), _running(h.counts), cells)
+                       for h in fields.values() if h.bucket >= horizon)
+        cut = sorted({h.bucket for h in fields.values()})[-RECENT_BUCKETS:][0]
+        if self.summed is None:
+            older = {f: h for f, h in fields.items() if h.bucket < cut}
+            self.summed = (Summed.of(older) if self.prior is None
+                           else self.prior.changed(older))
+            self.prior = None
+        return self.summed.count(cells) + sum(
+            _count(_keys(h), _running(h.counts), cells)
+            for h in fields.values() if h.bucket >= cut)
 
 
 @dataclass(frozen=True)
@@ -193,8 +288,9 @@ class CellCounts:
                                         if h.bucket in buckets}
         mark = None if reply[0] is None else _bytes(reply[0])
         if base is not None and len(reply) == 1 and len(kept) == len(base.fields):
-            # nothing changed: the same counts (and their joined arrays), a newer mark
-            now = HeldCounts(mark=mark, fields=base.fields, joined=base.joined)
+            # nothing changed: the same counts (and their sum), a newer mark
+            now = HeldCounts(mark=mark, fields=base.fields, summed=base.summed,
+                             prior=base.prior)
             return self._keep(worker, tenant, now)
         for i in range(1, len(reply), 3):
             field = _text(reply[i])
@@ -211,7 +307,8 @@ class CellCounts:
                     cid, n = cid[order], n[order]
                 kept[field] = BucketCounts(version=_bytes(version), bucket=bucket,
                                            cx=cid % grid.nx, cy=cid // grid.nx, counts=n)
-        return self._keep(worker, tenant, HeldCounts(mark=mark, fields=kept))
+        prior = None if base is None else base.summed or base.prior
+        return self._keep(worker, tenant, HeldCounts(mark=mark, fields=kept, prior=prior))
 
     def _keep(self, worker: str, tenant: str, now: HeldCounts) -> HeldCounts:
         """Hold `now` from now on unless a later state is held already."""
