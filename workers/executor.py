@@ -683,11 +683,15 @@ class Executor:
         for tenant in sorted({t for t, _ in changed}):
             # the buckets listed for the readers (`names.cell_counts_key`)
             held = self.records.tenants.get(tenant)
+            # (with a version of its own: a reader that holds it knows nothing of the
+            # tenant's changed)
             listed = sorted(b for b, c in held.cell_counts.items() if c) if held else []
+            field = names.cell_counts_index_field(tenant)
             if listed:
-                pipe.hset(key, names.cell_counts_index_field(tenant), " ".join(map(str, listed)))
+                pipe.hset(key, mapping={field: " ".join(map(str, listed)),
+                                        names.cell_counts_version_field(field): version})
             else:
-                pipe.hdel(key, names.cell_counts_index_field(tenant))
+                pipe.hdel(key, field, names.cell_counts_version_field(field))
         pipe.hset(key, mapping={names.CELL_COUNTS_UPTO: self.processed_id,
                                 names.CELL_COUNTS_INDEXED: 1})
         pipe.execute()

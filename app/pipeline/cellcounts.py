@@ -43,12 +43,17 @@ end
 
 # KEYS[1] = a worker's counts hash; ARGV = its mark field, the tenant, the first and last
 # arrival buckets to read, the buckets the reader holds counts of among them with their
-# versions ("bucket version" lines), and the field saying the hash lists each tenant's
-# buckets. Returns the mark (nil if none), then a triple (field, version, counts) per bucket
-# whose version differs from the one held ('' for both when it is gone): of the buckets
-# listed (`EACH_BUCKET_LUA`), then of those held but no longer listed.
+# versions ("bucket version" lines), the field saying the hash lists each tenant's buckets,
+# the version field of the tenant's list of buckets (rewritten with any of its counts) and
+# the version of it the reader holds ('' for none, or when what it holds does not cover the
+# buckets asked). Returns the mark (nil if none), the version of the tenant's list ('' for
+# none), and unless that is the one held (nothing of the tenant's changed), a triple (field,
+# version, counts) per bucket whose version differs from the one held ('' for both when it
+# is gone): of the buckets listed (`EACH_BUCKET_LUA`), then of those held but no longer
+# listed.
 READ_SCRIPT = EACH_BUCKET_LUA + """
-local out = {redis.call('HGET', KEYS[1], ARGV[1])}
+local out = {redis.call('HGET', KEYS[1], ARGV[1]), redis.call('HGET', KEYS[1], ARGV[7]) or ''}
+if out[2] ~= '' and out[2] == ARGV[8] then return out end
 local held = {}
 for bucket, version in string.gmatch(ARGV[5], '(-?%d+) ([^\\n]*)') do
   held[tonumber(bucket)] = version
@@ -213,10 +218,24 @@ class HeldCounts:
 
     mark: bytes | None
     fields: dict[str, BucketCounts]
+    # the buckets read (the counts are all of the tenant's there), and the version of the
+    # tenant's list of buckets then (None: none written, by a worker of an earlier version)
+    read: range = range(0)
+    version: bytes | None = None
     # the buckets before the newest RECENT_BUCKETS summed (`count`, made on first use from
     # `prior`: the sum of the counts held before, if any)
     summed: Summed | None = None
     prior: Summed | None = None
+    # the "bucket version" lines of the fields in a range (`CellCounts.read`)
+    lines: tuple[range, bytes] | None = None
+
+    def held_lines(self, buckets: range) -> bytes:
+        """The "bucket version" lines of the counts held among `buckets` (the script's)."""
+        if self.lines is None or self.lines[0] != buckets:
+            self.lines = (buckets, b"\n".join(b"%d %s" % (h.bucket, h.version)
+                                               for h in self.fields.values()
+                                               if h.bucket in buckets))
+        return self.lines[1]
 
     def count(self, cells: tuple[int, int, int, int], horizon: int) -> int:
         """The records in the cells (x0, y0, x1, y1) of the buckets from `horizon` on: those of
@@ -264,13 +283,17 @@ class CellCounts:
         of step 1) on `pipe` (give the pipeline's replies to `absorb`)."""
         first = len(pipe)
         bases = [self.held.get((w, tenant)) for w in workers]
+        listed = names.cell_counts_version_field(names.cell_counts_index_field(tenant))
         for worker, base in zip(workers, bases, strict=True):
-            held = b"\n".join(b"%d %s" % (h.bucket, h.version)
-                               for h in (base.fields.values() if base is not None else ())
-                               if h.bucket in buckets)
+            # (the version held only says "nothing changed" if what was read covers these
+            # buckets)
+            version = (base.version if base is not None and base.version is not None
+                       and base.read.start <= buckets.start and buckets.stop <= base.read.stop
+                       else b"")
             run_script(pipe, self._read, [names.cell_counts_key(worker)],
-                       [names.CELL_COUNTS_UPTO, tenant, buckets.start, buckets.stop - 1, held,
-                        names.CELL_COUNTS_INDEXED])
+                       [names.CELL_COUNTS_UPTO, tenant, buckets.start, buckets.stop - 1,
+                        b"" if base is None else base.held_lines(buckets),
+                        names.CELL_COUNTS_INDEXED, listed, version])
         return Reading(workers, tenant, buckets, bases, first)
 
     def absorb(self, reading: Reading, results: list[Any], grid: Grid) -> list[HeldCounts]:
@@ -287,12 +310,13 @@ class CellCounts:
         kept = {} if base is None else {f: h for f, h in base.fields.items()
                                         if h.bucket in buckets}
         mark = None if reply[0] is None else _bytes(reply[0])
-        if base is not None and len(reply) == 1 and len(kept) == len(base.fields):
+        listed = _bytes(reply[1]) or None  # (the version of the tenant's list of buckets)
+        if base is not None and len(reply) == 2 and len(kept) == len(base.fields):
             # nothing changed: the same counts (and their sum), a newer mark
-            now = HeldCounts(mark=mark, fields=base.fields, summed=base.summed,
-                             prior=base.prior)
+            now = HeldCounts(mark=mark, fields=base.fields, read=buckets, version=listed,
+                             summed=base.summed, prior=base.prior, lines=base.lines)
             return self._keep(worker, tenant, now)
-        for i in range(1, len(reply), 3):
+        for i in range(2, len(reply), 3):
             field = _text(reply[i])
             version, raw = reply[i + 1], reply[i + 2]
             if not version:
@@ -308,7 +332,8 @@ class CellCounts:
                 kept[field] = BucketCounts(version=_bytes(version), bucket=bucket,
                                            cx=cid % grid.nx, cy=cid // grid.nx, counts=n)
         prior = None if base is None else base.summed or base.prior
-        return self._keep(worker, tenant, HeldCounts(mark=mark, fields=kept, prior=prior))
+        return self._keep(worker, tenant, HeldCounts(mark=mark, fields=kept, read=buckets,
+                                                     version=listed, prior=prior))
 
     def _keep(self, worker: str, tenant: str, now: HeldCounts) -> HeldCounts:
         """Hold `now` from now on unless a later state is held already."""

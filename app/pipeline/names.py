@@ -238,7 +238,9 @@ def cell_counts_key(worker: str) -> str:
     api re-reads only the counts whose version changed. Per tenant, field
     `cell_counts_index_field` lists the buckets it has counts of (decimal numbers, spaces
     between), once field `CELL_COUNTS_INDEXED` says the worker writes those lists: a reader
-    visits the buckets held, however many the window's span could hold."""
+    visits the buckets held, however many the window's span could hold. A list has a version
+    field too, rewritten with any of the tenant's counts: a reader that holds it knows that
+    nothing of the tenant's changed without visiting any bucket."""
     return "gs:cells:" + worker_tag(worker)
 
 

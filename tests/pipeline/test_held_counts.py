@@ -43,7 +43,7 @@ def encoded(bucket: int, cells: dict[int, int], ordered: bool) -> bytes:
                                 st.integers(0, 13)), min_size=1, max_size=6))
 def test_count_equals_brute_force(buckets: dict[int, dict[int, int]], ordered: bool,
                                   boxes: list[tuple[int, int, int, int, int]]) -> None:
-    reply: list[object] = [b"1-0"]
+    reply: list[object] = [b"1-0", b""]
     for bucket, cells in buckets.items():
         reply += [names.cell_counts_field("t", bucket).encode(), b"1.%d" % bucket,
                   encoded(bucket, cells, ordered)]
@@ -102,7 +102,7 @@ def test_counts_read_again_and_again_equal_brute_force(
     state: dict[int, tuple[int, dict[int, int]]] = {}  # bucket -> (version, cells)
     base = None
     for version, (written, gone) in enumerate(steps, 1):
-        reply: list[object] = [b"1-%d" % version]
+        reply: list[object] = [b"1-%d" % version, b"%d" % version]
         for bucket, cells in written.items():
             state[bucket] = (version, cells)
             reply += [names.cell_counts_field("t", bucket).encode(), b"%d" % version,
