@@ -581,8 +581,8 @@ class Executor:
             # the keywords of records added since, listed for keyword queries between steps
             # rather than by the next such query (a Python pass over every record's keywords)
             self.records.index_keywords(time.monotonic() + KEYWORDS_STEP_S)
-            # and the chunks of older buckets brought into the queries' cell-major index
-            self.records.index_cells()
+            # and the chunks of older buckets brought into the queries' indexes
+            self.records.index_chunks()
         self.collector.tick()
         now = time.time()
         if self.subs.changed and now - self.summaries_at >= SUMMARY_S:

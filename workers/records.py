@@ -30,6 +30,7 @@ Bool = np.ndarray[Any, np.dtype[np.bool_]]
 I64 = np.ndarray[Any, np.dtype[np.int64]]
 I32 = np.ndarray[Any, np.dtype[np.int32]]
 U64 = np.ndarray[Any, np.dtype[np.uint64]]
+Positions = np.ndarray[Any, Any]  # (rows' positions in a `Stack`: int32 or int64)
 NO_ROWS: I32 = np.empty(0, dtype=np.int32)
 
 # The chunks' own coarse grid (0.1°, about 11 km): rows are kept sorted by its cell, so a query
@@ -188,9 +189,9 @@ class Chunk:
     order: I64  # the rows sorted by coarse cell
     cells: I64  # the coarse cell of each row in that order
     _last_row: dict[tuple[str, float], int] | None = None
-    # (the vocabulary, term ids, rows) of `occurrences`, and the rows of each term id
+    # (the vocabulary, term ids, rows) of `occurrences`, and its pairs once (`term_rows`)
     _occurrences: tuple[Vocabulary, I32, I32] | None = None
-    _by_term: dict[int, I32] | None = None
+    _term_rows: tuple[I32, I32] | None = None
     _signature: tuple[Vocabulary, U64] | None = None  # (`signature`)
 
     def rows_in(self, region: Region) -> I64:
@@ -231,22 +232,30 @@ class Chunk:
                     rows.append(i)
             held = self._occurrences = (vocab, np.array(ids, dtype=np.int32),
                                         np.array(rows, dtype=np.int32))
-            self._by_term = None
+            self._term_rows = None
         return held[1], held[2]
 
-    def postings(self, vocab: Vocabulary) -> dict[int, I32]:
-        """The rows of each term id (an inverted index of the chunk, made from its
-        `occurrences` on first use; rows ascending, each once)."""
+    def term_rows(self, vocab: Vocabulary) -> tuple[I32, I32]:
+        """Every (term id, row) of the chunk once (a row listing a term twice has it once),
+        ascending by term id, then row: `occurrences` less the repeats."""
         ids, rows = self.occurrences(vocab)
-        index = self._by_term
-        if index is None:
-            # (ids, then rows, ascending; a row listing a term twice keeps it once)
+        held = self._term_rows
+        if held is None:
             pairs = np.unique(ids.astype(np.int64) << 32 | rows.astype(np.int64))
-            ids, rows = (pairs >> 32).astype(np.int32), (pairs & 0xFFFFFFFF).astype(np.int32)
-            present, starts = np.unique(ids, return_index=True)
-            split = np.split(rows, starts[1:]) if present.size else []
-            index = self._by_term = dict(zip(present.tolist(), split, strict=True))
-        return index
+            held = self._term_rows = ((pairs >> 32).astype(np.int32),
+                                      (pairs & 0xFFFFFFFF).astype(np.int32))
+        return held
+
+    def rows_of_term(self, vocab: Vocabulary, term: str) -> I32 | None:
+        """The rows that hold `term`, ascending (None: none do): a search of `term_rows`
+        (an inverted index of the chunk without a dict of its terms, which cost a few ms a
+        chunk to make)."""
+        ids, rows = self.term_rows(vocab)  # (first: the vocabulary then knows its terms)
+        term_id = vocab.ids.get(term)
+        if term_id is None:
+            return None
+        a, b = np.searchsorted(ids, (term_id, term_id + 1)).tolist()
+        return rows[a:b] if b > a else None
 
     def with_keywords(self, terms: frozenset[str], match_all: bool, vocab: Vocabulary) -> Bool:
         """Which rows have every one of `terms` (`match_all`) or any of them (`rows_with`, as
@@ -257,9 +266,8 @@ class Chunk:
 
     def rows_with(self, terms: frozenset[str], match_all: bool, vocab: Vocabulary) -> I32:
         """The rows that hold every one of `terms` (`match_all`) or any of them, ascending:
-        from the rows of each term (`postings`)."""
-        index = self.postings(vocab)
-        found = [index.get(vocab.ids.get(term, -1)) for term in terms]
+        from the rows of each term (`rows_of_term`)."""
+        found = [self.rows_of_term(vocab, term) for term in terms]
         held = [f for f in found if f is not None]
         if not held or (match_all and len(held) < len(found)):
             return NO_ROWS
@@ -275,10 +283,9 @@ class Chunk:
     def holds(self, rows: I64, terms: frozenset[str], match_all: bool, vocab: Vocabulary
               ) -> Bool:
         """`with_keywords` of these rows only: each row looked up in each term's rows."""
-        index = self.postings(vocab)
         out = np.full(rows.size, match_all)
         for term in terms:
-            found = index.get(vocab.ids.get(term, -1))
+            found = self.rows_of_term(vocab, term)
             if found is None:
                 has = np.zeros(rows.size, dtype=bool)
             else:
@@ -428,6 +435,61 @@ CELL_BITS = 23
 CELL_MASK = (1 << CELL_BITS) - 1
 
 
+class Folded:
+    """A sorted index of the rows of a stack's first `chunks` chunks: a key of each row (its
+    coarse cell), or of each of its keywords (the term id), ascending, and the row's position
+    in the stack beside it; so that a key's rows in all those chunks are one binary search
+    away, not one per chunk. Chunks are brought in (`add`) as they settle, their keys merged
+    with those held (a pass over them); the first `size` of arrays with room to grow are in
+    use, and a spare pair the next merge writes into: memory touched once, not page by page
+    at every merge."""
+
+    def __init__(self) -> None:
+        self.chunks = 0
+        self.size = 0
+        self.keys: I32 = np.empty(0, dtype=np.int32)
+        self.at: I32 = np.empty(0, dtype=np.int32)
+        self._spare: tuple[I32, I32] = (self.keys, self.at)
+
+    def add(self, keys: I32, at: I64, chunks: int) -> None:
+        """Bring in the keys of the chunks up to `chunks` (any order; `at`: their positions,
+        after any held), merged after the equal keys held."""
+        order = np.argsort(keys, kind="stable")  # (a merge of sorted runs, for cells)
+        keys = keys[order]
+        held, total = self.size, self.size + keys.size
+        into_keys, into_at = self._spare
+        if into_keys.size < total:
+            room = max(total, 2 * into_keys.size)
+            into_keys, into_at = np.empty(room, dtype=np.int32), np.empty(room, dtype=np.int32)
+        new: Any = slice(0, total)
+        if held:
+            new = np.searchsorted(self.keys[:held], keys, side="right")
+            new += np.arange(keys.size)
+            old = np.ones(total, dtype=bool)
+            old[new] = False
+            into_keys[:total][old] = self.keys[:held]
+            into_at[:total][old] = self.at[:held]
+        into_keys[new] = keys
+        into_at[new] = at[order]
+        self._spare = (self.keys, self.at)
+        self.keys, self.at = into_keys, into_at
+        self.chunks, self.size = chunks, total
+
+    def cut(self, chunks: int, used: int) -> None:
+        """Keep the first `chunks` chunks (whose rows lie before position `used`)."""
+        if chunks < self.chunks:  # (rare: chunks of older buckets merged again)
+            held = self.size
+            keep = self.at[:held] < used
+            kept = int(np.count_nonzero(keep))
+            self.keys[:kept] = self.keys[:held][keep]
+            self.at[:kept] = self.at[:held][keep]
+            self.chunks, self.size = chunks, kept
+
+    def positions(self, bounds: I64) -> Positions:
+        """The positions of the keys of runs [bounds[2i], bounds[2i + 1])."""
+        return self.at[_runs(np.searchsorted(self.keys[:self.size], bounds.astype(np.int32)))]
+
+
 class Stack:
     """The coarse-cell index of a tenant's chunks as one sorted array, so that a query finds
     its cell runs in every chunk with one binary search: `keys` holds (position of the chunk
@@ -444,7 +506,7 @@ class Stack:
     are copied once), and is cut back to the chunks that are still the window's first ones
     when newer ones were merged."""
 
-    COLUMNS = ("keys", "rows", "lon", "lat", "ts", "at")
+    COLUMNS = ("keys", "rows", "lon", "lat", "ts", "at", "where")
 
     def __init__(self) -> None:
         self.chunks: list[Chunk] = []  # (held: the positions stay theirs while it lives)
@@ -454,6 +516,8 @@ class Stack:
         self.lat: F64 = np.empty(0, dtype=np.float64)
         self.ts: F64 = np.empty(0, dtype=np.float64)
         self.at: F64 = np.empty(0, dtype=np.float64)
+        # the position of each chunk's row r: where[start of the chunk + r]
+        self.where: I64 = np.empty(0, dtype=np.int64)
         self.used = 0
         self.ends: list[int] = []  # `used` after each chunk
         # the keywords' signatures of the first `signed` chunks' keys, and the vocabulary
@@ -461,15 +525,11 @@ class Stack:
         self.sig: U64 = np.empty(0, dtype=np.uint64)
         self.signed = 0
         self.sig_vocab: Vocabulary | None = None
-        # the cell-major index of the first `indexed` chunks (`index`): the cells of their
-        # `indexed_rows` rows in ascending order, and the position in the stack of each (the
-        # first `indexed_rows` of arrays with room to grow, and a spare pair the next
-        # `index` merges into: memory touched once, not page by page at every merge)
-        self.indexed = 0
-        self.indexed_rows = 0
-        self.by_cell: I32 = np.empty(0, dtype=np.int32)
-        self.at_cell: I64 = np.empty(0, dtype=np.int64)
-        self._spare: tuple[I32, I64] = (self.by_cell, self.at_cell)
+        # the cell-major index of the chunks of older buckets (`index_cells`), and their
+        # keywords' index under the vocabulary `terms_vocab` (`index_terms`)
+        self.cells = Folded()
+        self.terms = Folded()
+        self.terms_vocab: Vocabulary | None = None
 
     def truncate(self, n: int) -> None:
         """Keep the first `n` chunks."""
@@ -478,43 +538,30 @@ class Stack:
         self.used = self.ends[n - 1] if n else 0
         del self.chunks[n:], self.ends[n:]
         self.signed = min(self.signed, n)
-        if n < self.indexed:  # (rare: chunks of older buckets merged again)
-            held = self.indexed_rows
-            keep = self.at_cell[:held] < self.used
-            kept = int(np.count_nonzero(keep))
-            self.by_cell[:kept] = self.by_cell[:held][keep]
-            self.at_cell[:kept] = self.at_cell[:held][keep]
-            self.indexed, self.indexed_rows = n, kept
+        self.cells.cut(n, self.used)
+        self.terms.cut(n, self.used)
 
-    def index(self, upto: int) -> None:
-        """Bring the first `upto` chunks into the cell-major index: their rows' cells, sorted
-        (each chunk's are: a merge of sorted runs), merged after the equal cells of the
-        chunks indexed before (positions ascend within a cell)."""
-        if upto <= self.indexed:
+    def index_cells(self, upto: int) -> None:
+        """Bring the first `upto` chunks into the cell-major index."""
+        if upto > self.cells.chunks:
+            a, b = self.cells.size, self.ends[upto - 1]
+            self.cells.add((self.keys[a:b] & CELL_MASK).astype(np.int32),
+                           np.arange(a, b, dtype=np.int64), upto)
+
+    def index_terms(self, upto: int, vocab: Vocabulary) -> None:
+        """Bring the first `upto` chunks into the keywords' index (their `Chunk.term_rows`
+        under `vocab`; all of them again under another)."""
+        if self.terms_vocab is not vocab:
+            self.terms, self.terms_vocab = Folded(), vocab
+        if upto <= self.terms.chunks:
             return
-        held = self.indexed_rows
-        b = self.ends[upto - 1]
-        cells = (self.keys[held:b] & CELL_MASK).astype(np.int32)
-        order = np.argsort(cells, kind="stable")
-        cells = cells[order]
-        total = b
-        by_cell, at_cell = self._spare
-        if by_cell.size < total:
-            room = max(total, 2 * by_cell.size)
-            by_cell, at_cell = np.empty(room, dtype=np.int32), np.empty(room, dtype=np.int64)
-        new: Any = slice(0, total)
-        if held:
-            new = np.searchsorted(self.by_cell[:held], cells, side="right")
-            new += np.arange(cells.size)
-            old = np.ones(total, dtype=bool)
-            old[new] = False
-            by_cell[:total][old] = self.by_cell[:held]
-            at_cell[:total][old] = self.at_cell[:held]
-        by_cell[new] = cells
-        at_cell[new] = order + held
-        self._spare = (self.by_cell, self.at_cell)
-        self.by_cell, self.at_cell = by_cell, at_cell
-        self.indexed, self.indexed_rows = upto, total
+        ids, at = [], []
+        for i in range(self.terms.chunks, upto):
+            chunk = self.chunks[i]
+            term_ids, rows = chunk.term_rows(vocab)
+            ids.append(term_ids)
+            at.append(self.where[self.ends[i] - chunk.order.size + rows])
+        self.terms.add(np.concatenate(ids), np.concatenate(at), upto)
 
     def extend(self, chunks: Iterable[Chunk]) -> None:
         """Stack these chunks after the ones held."""
@@ -541,6 +588,7 @@ class Stack:
             self.lat[a:b] = chunk.lat[order]
             self.ts[a:b] = chunk.ts[order]
             self.at[a:b] = chunk.at[order]
+            self.where[a + order] = np.arange(a, b)
             self.ends.append(b)
             a = b
         self.used = used
@@ -562,27 +610,59 @@ class Stack:
         self.signed = len(self.chunks)
         return self.sig
 
-    def positions(self, bounds: I64) -> I64:
+    def positions(self, bounds: I64) -> Positions:
         """The positions in the stack of the rows of every chunk in the coarse-cell runs
         whose bounds `run_bounds` made: those of the indexed chunks from one search of the
         cell-major index (in cell order), then those of each chunk after them, chunk after
         chunk."""
-        found = []
-        if self.indexed:
-            ends = np.searchsorted(self.by_cell[:self.indexed_rows], bounds.astype(np.int32))
-            found.append(self.at_cell[_runs(ends)])
-        n = len(self.chunks)
-        if n > self.indexed:
-            first = np.arange(self.indexed, n, dtype=np.int64) << CELL_BITS
+        found: list[Positions] = []
+        if self.cells.chunks:
+            found.append(self.cells.positions(bounds))
+        n, first = len(self.chunks), self.cells.chunks
+        if n > first:
+            chunks = np.arange(first, n, dtype=np.int64) << CELL_BITS
             found.append(_runs(np.searchsorted(self.keys[:self.used],
-                                               (first[:, None] | bounds).ravel())))
+                                               (chunks[:, None] | bounds).ravel())))
+        if len(found) == 1:
+            return found[0]
+        return np.concatenate(found) if found else np.empty(0, dtype=np.int64)
+
+    def positions_with(self, terms: frozenset[str], match_all: bool, vocab: Vocabulary
+                       ) -> Positions:
+        """The positions of the rows of every chunk that hold every one of `terms`
+        (`match_all`) or any of them (`Chunk.rows_with`): those of the chunks in the
+        keywords' index from a search of it per term, then those of each chunk after them (a
+        tall region with a rare keyword reads them: a lookup in each of a hundred chunks or
+        more cost more than the rest)."""
+        found: list[Positions] = []
+        if self.terms.chunks and self.terms_vocab is vocab:
+            ids = [vocab.ids.get(term) for term in terms]
+            each = [self.terms.positions(np.array([i, i + 1])) for i in ids if i is not None]
+            if match_all:
+                if len(each) == len(ids):
+                    held = each[0]
+                    for more in each[1:]:
+                        held = np.intersect1d(held, more)
+                    found.append(held)
+            elif len(each) == 1:
+                found.append(each[0])
+            elif each:
+                found.append(np.unique(np.concatenate(each)))
+            first = self.terms.chunks
+        else:
+            first = 0
+        for i in range(first, len(self.chunks)):
+            chunk = self.chunks[i]
+            rows = chunk.rows_with(terms, match_all, vocab)
+            if rows.size:
+                found.append(self.where[self.ends[i] - chunk.order.size + rows])
         if len(found) == 1:
             return found[0]
         return np.concatenate(found) if found else np.empty(0, dtype=np.int64)
 
     def searches(self, runs: int) -> int:
         """How many binary searches `positions` makes for this many runs of cells."""
-        return 2 * runs * (int(self.indexed > 0) + len(self.chunks) - self.indexed)
+        return 2 * runs * (int(self.cells.chunks > 0) + len(self.chunks) - self.cells.chunks)
 
 
 def _runs(ends: I64) -> I64:
@@ -678,13 +758,13 @@ class TenantRecords:
         them (tested before anything is gathered). Those of the stacked chunks come from one
         search of the stack (`Stack`); for a region too tall for `Region.of`'s runs, from its
         runs all the same while they need fewer searches than ROWS_PER_SEARCH allows, else
-        from one test of every row of the stack; and with keywords there, from the rows of
-        the keywords in each chunk (a tall region is a knn's last rounds, for a rare keyword:
-        in a few chunks, a few rows).
+        from one test of every row of the stack; and with keywords there, exactly the rows
+        of the keywords in every chunk (`Stack.positions_with`: a tall region is a knn's last
+        rounds, for a rare keyword: in a few chunks, a few rows; or a keyword anywhere).
         A view of `after` (made for one query) reads chunk by chunk: a stack of its own
         would cost it more than it saves."""
         self.keywords_asked = self.keywords_asked or keywords is not None
-        if keywords is not None and region.bounds is None:
+        if keywords is not None and region.bounds is None and self.floor != NO_CUT:
             chunks = list(self.chunks)
             flat = Flat.of_rows(chunks, [(i, c.rows_with(*keywords, self.vocab))
                                          for i, c in enumerate(chunks) if c.first_at <= as_of])
@@ -699,32 +779,42 @@ class TenantRecords:
             flat = Flat.of_rows(chunks, [(i, self._rows_of(c, region, terms))
                                          for i, c in enumerate(chunks) if c.first_at <= as_of])
         else:
-            stack = self._stacked_chunks(INDEX_AFTER * QUERY_INDEXES_AFTER)
-            chunks = stack.chunks
-            bounds = region.bounds
-            if bounds is None:
-                # a tall region: its cell runs searched, or, when there would be more
-                # searches than that pays for, every row tested
-                x0, y0, x1, y1 = cell_range(region.bbox)
-                if stack.searches(y1 - y0 + 1) * ROWS_PER_SEARCH < stack.used:
-                    bounds = cell_runs(region.bbox)
-            if bounds is None:
-                at = np.flatnonzero(bbox_contains(region.bbox, stack.lon[:stack.used],
-                                                  stack.lat[:stack.used]))
-            else:
-                at = stack.positions(bounds)
-                if keywords is not None:
-                    sig = stack.signatures(self.vocab)
-                    at = at[Terms.of(*keywords, self.vocab).may_hold(sig[at])]
-            flat = Flat(chunks, stack.keys[at] >> CELL_BITS, stack.rows[at], stack.lon[at],
-                        stack.lat[at], stack.ts[at], stack.at[at])
+            stack = self._stacked_chunks(in_query=True)
+            at = self._positions(stack, region, keywords)
+            flat = Flat(stack.chunks, stack.keys[at] >> CELL_BITS, stack.rows[at],
+                        stack.lon[at], stack.lat[at], stack.ts[at], stack.at[at])
         if flat.at.size and float(flat.at.max()) > as_of:
             flat = flat.take(flat.at <= as_of)
         return flat
 
-    def _stacked_chunks(self, index_after: int) -> Stack:
-        """The stack brought up to date with the chunks, and its cell-major index with those
-        before the newest bucket's once `index_after` of them are not in it."""
+    def _positions(self, stack: Stack, region: Region,
+                   keywords: tuple[frozenset[str], bool] | None) -> Positions:
+        """The positions in the stack of the rows `read` reads."""
+        bounds = region.bounds
+        if bounds is None and keywords is not None:
+            # a tall region with keywords: the rows of the keywords in every chunk
+            at = stack.positions_with(*keywords, self.vocab)
+            return at[bbox_contains(region.bbox, stack.lon[at], stack.lat[at])]
+        if bounds is None:
+            # a tall region: its cell runs searched, or, when there would be more searches
+            # than that pays for, every row tested
+            x0, y0, x1, y1 = cell_range(region.bbox)
+            if stack.searches(y1 - y0 + 1) * ROWS_PER_SEARCH >= stack.used:
+                return np.flatnonzero(bbox_contains(region.bbox, stack.lon[:stack.used],
+                                                    stack.lat[:stack.used]))
+            bounds = cell_runs(region.bbox)
+        at = stack.positions(bounds)
+        if keywords is not None:
+            sig = stack.signatures(self.vocab)  # (first: the vocabulary then knows the terms)
+            at = at[Terms.of(*keywords, self.vocab).may_hold(sig[at])]
+        return at
+
+    def _stacked_chunks(self, in_query: bool) -> Stack:
+        """The stack brought up to date with the chunks, and its indexes (`Folded`) with
+        those before the newest bucket's once INDEX_AFTER of them are not in one (in a
+        query, QUERY_INDEXES_AFTER times as many); the keywords' index only once a query
+        asked about keywords, and between steps only with chunks whose keywords are listed
+        (`index_keywords`: in a query, the chunks left are listed on the way)."""
         stack = self._stack
         if stack is None:
             stack = self._stack = Stack()
@@ -736,17 +826,22 @@ class TenantRecords:
         settled = len(chunks)  # the chunks before those of the newest bucket
         while settled and chunks[settled - 1].bucket == chunks[-1].bucket:
             settled -= 1
-        if settled - stack.indexed >= index_after:
-            stack.index(settled)
+        index_after = INDEX_AFTER * (QUERY_INDEXES_AFTER if in_query else 1)
+        if settled - stack.cells.chunks >= index_after:
+            stack.index_cells(settled)
+        if self.keywords_asked:
+            upto = settled if in_query else min(settled, self._keywords_listed)
+            if upto - stack.terms.chunks >= index_after or stack.terms_vocab is not self.vocab:
+                stack.index_terms(upto, self.vocab)
         return stack
 
-    def index_cells(self) -> None:
-        """Bring the chunks of older buckets into the stack's cell-major index (once
-        INDEX_AFTER are not), between steps rather than in a query (a merge into the index
-        costs a pass over it). Only once a query made the stack: a tenant nobody asks about
-        costs no index."""
+    def index_chunks(self) -> None:
+        """Bring the chunks of older buckets into the stack's indexes (once INDEX_AFTER are
+        not in one), between steps rather than in a query (a merge into an index costs a
+        pass over it). Only once a query made the stack: a tenant nobody asks about costs no
+        index."""
         if self._stack is not None and self.floor == NO_CUT:
-            self._stacked_chunks(INDEX_AFTER)
+            self._stacked_chunks(in_query=False)
 
     def _rows_of(self, chunk: Chunk, region: Region, terms: Terms | None) -> I64:
         rows = chunk.rows_in(region)
@@ -970,10 +1065,10 @@ class RecordWindow:
             if not records.index_keywords(deadline):
                 return
 
-    def index_cells(self) -> None:
-        """`TenantRecords.index_cells` of every tenant."""
+    def index_chunks(self) -> None:
+        """`TenantRecords.index_chunks` of every tenant."""
         for records in self.tenants.values():
-            records.index_cells()
+            records.index_chunks()
 
     def buckets(self) -> set[int]:
         """The buckets of the records held."""

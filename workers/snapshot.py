@@ -252,6 +252,9 @@ def _accepts(records: TenantRecords, part: wire.QueryPart, wanted: frozenset[str
     return not (q.latest and chunk.moving[i] and not _latest_here(records, chunk, i, part))
 
 
+WORLD = Region((-180.0, -90.0, 180.0, 90.0), None)
+
+
 def _region(q: wire.SnapshotQuery) -> Region | None:
     """The region of a query's bbox or circle (None without one)."""
     if q.bbox is not None:
@@ -294,6 +297,9 @@ def _wanted(records: TenantRecords, part: wire.QueryPart) -> Flat:
     `latest`), in one `Flat`."""
     q = part.query
     region = _region(q)
+    if region is None and q.keywords:
+        # the rows of the keywords anywhere (`TenantRecords.read` of the world: exactly those)
+        return _candidates(records, part, WORLD, keywords=True)
     if region is None:
         chunks = list(records.chunks)
         return Flat.of_rows(chunks, list(_whole_chunks(records, part, chunks)))

@@ -431,8 +431,9 @@ def test_the_stack_reads_what_each_chunk_reads_as_the_window_changes(
     is cut back), a query's `as_of` before the last arrivals, the oldest bucket expired, the
     window compacted (and compacted again, with nothing left to merge), the vocabulary
     renewed, a query's view without the older buckets, chunks of an older bucket brought into
-    the cell-major index (as soon as one is settled, as configured, or never) and merged again
-    by a compaction (the index is cut back to the chunks before them)."""
+    the cell-major index and the keywords' index (as soon as one is settled, as configured, or
+    never) and merged again by a compaction (the indexes are cut back to the chunks before
+    them), the keywords' index made again under a renewed vocabulary."""
     monkeypatch.setattr(records, "INDEX_AFTER", index_after)
     rng = np.random.default_rng(5)
     w = RecordWindow(3600, 60)
@@ -443,6 +444,7 @@ def test_the_stack_reads_what_each_chunk_reads_as_the_window_changes(
     assert regions[-1].bounds is None and regions[-2].bounds is None  # (too tall for runs)
     vocabulary = [f"t{i}" for i in range(300)]
     askings = [None, (frozenset({"t1"}), False), (frozenset({"t2", "t299"}), False),
+               (frozenset({"t1", "t2"}), False),
                (frozenset({"t1", "t7"}), True), (frozenset({"t1", "unknown"}), True),
                (frozenset({"unknown"}), False)]
     added = [0]
@@ -499,12 +501,23 @@ def test_the_stack_reads_what_each_chunk_reads_as_the_window_changes(
         stack = t._stack
         if stack is not None:  # (not a view's)
             # every row of the indexed chunks once in the index, in cell order
-            held = stack.ends[stack.indexed - 1] if stack.indexed else 0
-            assert stack.indexed_rows == held
-            by_cell, at_cell = stack.by_cell[:held], stack.at_cell[:held]
+            cells = stack.cells
+            held = stack.ends[cells.chunks - 1] if cells.chunks else 0
+            assert cells.size == held
+            by_cell, at_cell = cells.keys[:held], cells.at[:held]
             assert np.array_equal(np.sort(at_cell), np.arange(held))
             assert np.array_equal(by_cell, stack.keys[at_cell] & records.CELL_MASK)
             assert (np.diff(by_cell) >= 0).all()
+            terms = stack.terms
+            if terms.chunks:  # every (term, row) of the indexed chunks once, by term
+                assert stack.terms_vocab is t.vocab
+                want = sorted((int(term), int(stack.where[stack.ends[i] - c.order.size + r]))
+                              for i, c in enumerate(stack.chunks[:terms.chunks])
+                              for term, r in zip(*c.term_rows(t.vocab), strict=True))
+                got_terms = list(zip(terms.keys[:terms.size].tolist(),
+                                     terms.at[:terms.size].tolist(), strict=True))
+                assert sorted(got_terms) == want
+                assert (np.diff(terms.keys[:terms.size]) >= 0).all()
 
     add(20, 1)
     check()
@@ -538,21 +551,27 @@ def test_the_stack_reads_what_each_chunk_reads_as_the_window_changes(
     assert stack is not None
     settled = sum(c.bucket < 4 for c in w.tenants["t"].chunks)
     assert settled > 2
-    out = settled - stack.indexed  # (a query indexes them once QUERY_INDEXES_AFTER x as many)
+    out = settled - stack.cells.chunks  # (a query indexes them once QUERY_INDEXES_AFTER x as many)
     assert out < index_after * records.QUERY_INDEXES_AFTER or index_after > settled
-    before = stack.indexed
-    w.index_cells()  # between steps: once `index_after` are out
-    assert stack.indexed == (settled if out >= index_after else before)
+    before = stack.cells.chunks
+    w.index_keywords(float("inf"))
+    w.index_chunks()  # between steps: once `index_after` are out (keywords: once listed)
+    assert stack.cells.chunks == (settled if out >= index_after else before)
+    if index_after == 1:
+        assert stack.terms.chunks == settled
     check()
     w.tenants["t"].compact()  # bucket 3's and 4's chunks merged: the index is cut back
     assert sum(c.bucket < 4 for c in w.tenants["t"].chunks) < settled
     check()  # (and brought up to date again)
     assert w.tenants["t"]._stack is stack
     add(1, 5)
-    w.index_cells()
+    w.index_keywords(float("inf"))
+    w.index_chunks()
+    check()
+    w.tenants["t"].vocab = records.Vocabulary(NOW)  # renewed: the keywords' index made anew
     check()
     if index_after in (1, 10**9):
-        assert stack.indexed == (len(w.tenants["t"].chunks) - 1 if index_after == 1 else 0)
+        assert stack.cells.chunks == (len(w.tenants["t"].chunks) - 1 if index_after == 1 else 0)
 
 
 def test_knn_first_radius_reads_the_newest_buckets_scaled_to_the_window() -> None:
