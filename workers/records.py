@@ -437,57 +437,65 @@ CELL_MASK = (1 << CELL_BITS) - 1
 
 class Folded:
     """A sorted index of the rows of a stack's first `chunks` chunks: a key of each row (its
-    coarse cell), or of each of its keywords (the term id), ascending, and the row's position
-    in the stack beside it; so that a key's rows in all those chunks are one binary search
-    away, not one per chunk. Chunks are brought in (`add`) as they settle, their keys merged
-    with those held (a pass over them); the first `size` of arrays with room to grow are in
-    use, and a spare pair the next merge writes into: memory touched once, not page by page
-    at every merge."""
+    coarse cell), or of each of its keywords (the term id), and the row's position in the
+    stack beside it; so that a key's rows in all those chunks are a binary search per run
+    away, not one per chunk. Chunks are brought in (`add`) as they settle, as a run of their
+    own sorted by key, merged into the run before it while it is at least half its size (a
+    log-structured merge: bringing in a few chunks costs a pass over the newest runs, not
+    over the whole index, and a row is merged again a few times as the index doubles)."""
 
     def __init__(self) -> None:
         self.chunks = 0
         self.size = 0
-        self.keys: I32 = np.empty(0, dtype=np.int32)
-        self.at: I32 = np.empty(0, dtype=np.int32)
-        self._spare: tuple[I32, I32] = (self.keys, self.at)
+        # runs, oldest first: (keys ascending, positions, the chunks it holds up to)
+        self.runs: list[tuple[I32, I32, int]] = []
 
     def add(self, keys: I32, at: I64, chunks: int) -> None:
         """Bring in the keys of the chunks up to `chunks` (any order; `at`: their positions,
-        after any held), merged after the equal keys held."""
+        after any held)."""
         order = np.argsort(keys, kind="stable")  # (a merge of sorted runs, for cells)
-        keys = keys[order]
-        held, total = self.size, self.size + keys.size
-        into_keys, into_at = self._spare
-        if into_keys.size < total:
-            room = max(total, 2 * into_keys.size)
-            into_keys, into_at = np.empty(room, dtype=np.int32), np.empty(room, dtype=np.int32)
-        new: Any = slice(0, total)
-        if held:
-            new = np.searchsorted(self.keys[:held], keys, side="right")
-            new += np.arange(keys.size)
-            old = np.ones(total, dtype=bool)
-            old[new] = False
-            into_keys[:total][old] = self.keys[:held]
-            into_at[:total][old] = self.at[:held]
-        into_keys[new] = keys
-        into_at[new] = at[order]
-        self._spare = (self.keys, self.at)
-        self.keys, self.at = into_keys, into_at
-        self.chunks, self.size = chunks, total
+        runs = self.runs
+        runs.append((keys[order], at[order].astype(np.int32), chunks))
+        while len(runs) > 1 and 2 * runs[-1][0].size >= runs[-2][0].size:
+            newer = runs.pop()
+            runs.append(_merged(runs.pop(), newer))
+        self.chunks, self.size = chunks, self.size + keys.size
 
     def cut(self, chunks: int, used: int) -> None:
         """Keep the first `chunks` chunks (whose rows lie before position `used`)."""
-        if chunks < self.chunks:  # (rare: chunks of older buckets merged again)
-            held = self.size
-            keep = self.at[:held] < used
-            kept = int(np.count_nonzero(keep))
-            self.keys[:kept] = self.keys[:held][keep]
-            self.at[:kept] = self.at[:held][keep]
-            self.chunks, self.size = chunks, kept
+        if chunks >= self.chunks:
+            return
+        kept = []  # (rare: chunks of older buckets merged again)
+        for keys, at, upto in self.runs:
+            if upto > chunks:
+                keep = at < used
+                keys, at, upto = keys[keep], at[keep], chunks
+            if keys.size:
+                kept.append((keys, at, upto))
+        self.runs = kept
+        self.chunks, self.size = chunks, sum(keys.size for keys, _, _ in kept)
 
     def positions(self, bounds: I64) -> Positions:
         """The positions of the keys of runs [bounds[2i], bounds[2i + 1])."""
-        return self.at[_runs(np.searchsorted(self.keys[:self.size], bounds.astype(np.int32)))]
+        bounds = bounds.astype(np.int32)
+        found = [at[_runs(np.searchsorted(keys, bounds))] for keys, at, _ in self.runs]
+        if len(found) == 1:
+            return found[0]
+        return np.concatenate(found) if found else np.empty(0, dtype=np.int32)
+
+
+def _merged(older: tuple[I32, I32, int], newer: tuple[I32, I32, int]) -> tuple[I32, I32, int]:
+    """Two runs of a `Folded` as one, the newer's rows after the older's equal keys."""
+    keys, at, _ = older
+    total = keys.size + newer[0].size
+    new = np.searchsorted(keys, newer[0], side="right")
+    new += np.arange(newer[0].size)
+    old = np.ones(total, dtype=bool)
+    old[new] = False
+    into_keys, into_at = np.empty(total, dtype=np.int32), np.empty(total, dtype=np.int32)
+    into_keys[old], into_at[old] = keys, at
+    into_keys[new], into_at[new] = newer[0], newer[1]
+    return into_keys, into_at, newer[2]
 
 
 class Stack:

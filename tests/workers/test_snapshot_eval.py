@@ -504,20 +504,29 @@ def test_the_stack_reads_what_each_chunk_reads_as_the_window_changes(
             cells = stack.cells
             held = stack.ends[cells.chunks - 1] if cells.chunks else 0
             assert cells.size == held
-            by_cell, at_cell = cells.keys[:held], cells.at[:held]
+            by_cell, at_cell = folded(cells)
             assert np.array_equal(np.sort(at_cell), np.arange(held))
             assert np.array_equal(by_cell, stack.keys[at_cell] & records.CELL_MASK)
-            assert (np.diff(by_cell) >= 0).all()
             terms = stack.terms
-            if terms.chunks:  # every (term, row) of the indexed chunks once, by term
+            if terms.chunks:  # every (term, row) of the indexed chunks once
                 assert stack.terms_vocab is t.vocab
                 want = sorted((int(term), int(stack.where[stack.ends[i] - c.order.size + r]))
                               for i, c in enumerate(stack.chunks[:terms.chunks])
                               for term, r in zip(*c.term_rows(t.vocab), strict=True))
-                got_terms = list(zip(terms.keys[:terms.size].tolist(),
-                                     terms.at[:terms.size].tolist(), strict=True))
-                assert sorted(got_terms) == want
-                assert (np.diff(terms.keys[:terms.size]) >= 0).all()
+                assert sorted(zip(*(a.tolist() for a in folded(terms)), strict=True)) == want
+
+    def folded(index: records.Folded) -> tuple[Any, Any]:
+        """A `Folded` index's keys and positions, each run sorted by key, and its runs of
+        chunks in order, each smaller than half the one before (merged while not)."""
+        ups = [upto for _, _, upto in index.runs]
+        assert ups == sorted(set(ups)) and (not ups or ups[-1] == index.chunks)
+        sizes = [keys.size for keys, _, _ in index.runs]
+        assert all(2 * b < a for a, b in zip(sizes, sizes[1:], strict=False))
+        for keys, _, _ in index.runs:
+            assert (np.diff(keys) >= 0).all()
+        empty = np.empty(0, dtype=np.int64)
+        return (np.concatenate([keys for keys, _, _ in index.runs] or [empty]),
+                np.concatenate([at for _, at, _ in index.runs] or [empty]))
 
     add(20, 1)
     check()
