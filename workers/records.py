@@ -16,7 +16,7 @@ import time
 from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field, replace
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import numpy as np
 
@@ -517,7 +517,12 @@ class Stack:
     COLUMNS = ("keys", "rows", "lon", "lat", "ts", "at", "where")
 
     def __init__(self) -> None:
-        self.chunks: list[Chunk] = []  # (held: the positions stay theirs while it lives)
+        # (held: the positions stay theirs while it lives; None: dropped, `drop_first`)
+        self.chunks: list[Chunk | None] = []
+        # the first `dropped` chunks left the window: their rows, before `live_from`, are
+        # left out of every read
+        self.dropped = 0
+        self.live_from = 0
         self.keys: I64 = np.empty(0, dtype=np.int64)  # the first `used` are in use
         self.rows: I64 = np.empty(0, dtype=np.int64)
         self.lon: F64 = np.empty(0, dtype=np.float64)
@@ -549,6 +554,22 @@ class Stack:
         self.cells.cut(n, self.used)
         self.terms.cut(n, self.used)
 
+    def drop_first(self) -> None:
+        """The first chunk not dropped leaves the window: its rows are left out of reads from
+        now on (they stay in the arrays and indexes until the stack is made anew: dropping a
+        chunk costs nothing, making the stack and its indexes again a pass over them all)."""
+        self.chunks[self.dropped] = None
+        self.dropped += 1
+        self.live_from = self.ends[self.dropped - 1]
+
+    def stale(self) -> bool:
+        """Whether the rows dropped are more than those left (time to make it anew)."""
+        return 2 * self.live_from > self.used
+
+    def live(self, at: Positions) -> Positions:
+        """These positions less those of rows dropped."""
+        return at[at >= self.live_from] if self.live_from else at
+
     def index_cells(self, upto: int) -> None:
         """Bring the first `upto` chunks into the cell-major index."""
         if upto > self.cells.chunks:
@@ -563,21 +584,22 @@ class Stack:
             self.terms, self.terms_vocab = Folded(), vocab
         if upto <= self.terms.chunks:
             return
-        ids, at = [], []
+        ids, at = [np.empty(0, dtype=np.int32)], [np.empty(0, dtype=np.int64)]
         for i in range(self.terms.chunks, upto):
             chunk = self.chunks[i]
-            term_ids, rows = chunk.term_rows(vocab)
-            ids.append(term_ids)
-            at.append(self.where[self.ends[i] - chunk.order.size + rows])
+            if chunk is not None:
+                term_ids, rows = chunk.term_rows(vocab)
+                ids.append(term_ids)
+                at.append(self.where[self.ends[i] - chunk.order.size + rows])
         self.terms.add(np.concatenate(ids), np.concatenate(at), upto)
 
     def extend(self, chunks: Iterable[Chunk]) -> None:
         """Stack these chunks after the ones held."""
         first = len(self.chunks)
-        self.chunks.extend(chunks)
-        added = self.chunks[first:]
+        added = list(chunks)
         if not added:
             return
+        self.chunks.extend(added)
         used = self.used + sum(c.order.size for c in added)
         if used > self.keys.size:
             room = max(used, 2 * self.keys.size)
@@ -613,8 +635,9 @@ class Stack:
             self.sig = grown
         for i in range(self.signed, len(self.chunks)):
             chunk = self.chunks[i]
-            b = self.ends[i]
-            self.sig[b - chunk.order.size:b] = chunk.signature(vocab)[chunk.order]
+            if chunk is not None:
+                b = self.ends[i]
+                self.sig[b - chunk.order.size:b] = chunk.signature(vocab)[chunk.order]
         self.signed = len(self.chunks)
         return self.sig
 
@@ -661,9 +684,10 @@ class Stack:
             first = 0
         for i in range(first, len(self.chunks)):
             chunk = self.chunks[i]
-            rows = chunk.rows_with(terms, match_all, vocab)
-            if rows.size:
-                found.append(self.where[self.ends[i] - chunk.order.size + rows])
+            if chunk is not None:
+                rows = chunk.rows_with(terms, match_all, vocab)
+                if rows.size:
+                    found.append(self.where[self.ends[i] - chunk.order.size + rows])
         if len(found) == 1:
             return found[0]
         return np.concatenate(found) if found else np.empty(0, dtype=np.int64)
@@ -789,8 +813,9 @@ class TenantRecords:
         else:
             stack = self._stacked_chunks(in_query=True)
             at = self._positions(stack, region, keywords)
-            flat = Flat(stack.chunks, stack.keys[at] >> CELL_BITS, stack.rows[at],
-                        stack.lon[at], stack.lat[at], stack.ts[at], stack.at[at])
+            chunks = cast(list[Chunk], stack.chunks)  # (no row of a dropped one is read)
+            flat = Flat(chunks, stack.keys[at] >> CELL_BITS, stack.rows[at], stack.lon[at],
+                        stack.lat[at], stack.ts[at], stack.at[at])
         if flat.at.size and float(flat.at.max()) > as_of:
             flat = flat.take(flat.at <= as_of)
         return flat
@@ -801,17 +826,18 @@ class TenantRecords:
         bounds = region.bounds
         if bounds is None and keywords is not None:
             # a tall region with keywords: the rows of the keywords in every chunk
-            at = stack.positions_with(*keywords, self.vocab)
+            at = stack.live(stack.positions_with(*keywords, self.vocab))
             return at[bbox_contains(region.bbox, stack.lon[at], stack.lat[at])]
         if bounds is None:
             # a tall region: its cell runs searched, or, when there would be more searches
             # than that pays for, every row tested
             x0, y0, x1, y1 = cell_range(region.bbox)
-            if stack.searches(y1 - y0 + 1) * ROWS_PER_SEARCH >= stack.used:
-                return np.flatnonzero(bbox_contains(region.bbox, stack.lon[:stack.used],
-                                                    stack.lat[:stack.used]))
+            a, b = stack.live_from, stack.used
+            if stack.searches(y1 - y0 + 1) * ROWS_PER_SEARCH >= b - a:
+                return a + np.flatnonzero(bbox_contains(region.bbox, stack.lon[a:b],
+                                                        stack.lat[a:b]))
             bounds = cell_runs(region.bbox)
-        at = stack.positions(bounds)
+        at = stack.live(stack.positions(bounds))
         if keywords is not None:
             sig = stack.signatures(self.vocab)  # (first: the vocabulary then knows the terms)
             at = at[Terms.of(*keywords, self.vocab).may_hold(sig[at])]
@@ -826,14 +852,15 @@ class TenantRecords:
         stack = self._stack
         if stack is None:
             stack = self._stack = Stack()
-        stack.truncate(self._stacked)
-        if len(self.chunks) > len(stack.chunks):
-            stack.extend(itertools.islice(self.chunks, len(stack.chunks), None))
+        dropped = stack.dropped  # (chunk i is the stack's chunk dropped + i)
+        stack.truncate(dropped + self._stacked)
+        if dropped + len(self.chunks) > len(stack.chunks):
+            stack.extend(itertools.islice(self.chunks, len(stack.chunks) - dropped, None))
         self._stacked = len(self.chunks)
-        chunks = stack.chunks
-        settled = len(chunks)  # the chunks before those of the newest bucket
-        while settled and chunks[settled - 1].bucket == chunks[-1].bucket:
+        settled = len(self.chunks)  # the chunks before those of the newest bucket
+        while settled and self.chunks[settled - 1].bucket == self.chunks[-1].bucket:
             settled -= 1
+        settled += dropped
         index_after = INDEX_AFTER * (QUERY_INDEXES_AFTER if in_query else 1)
         if settled - stack.cells.chunks >= index_after:
             stack.index_cells(settled)
@@ -990,7 +1017,17 @@ class TenantRecords:
         for bucket in [b for b in self.cell_counts if b < horizon]:
             del self.cell_counts[bucket]
         while self.chunks and self.chunks[0].bucket <= through:
-            self._changed(0)
+            stack = self._stack
+            if stack is not None and self._stacked:
+                # (the stack keeps its rows, left out of reads, until they are the most)
+                stack.drop_first()
+                self._stacked -= 1
+                if stack.stale():
+                    self._stack, self._stacked = None, 0
+            else:
+                self._stack, self._stacked = None, 0
+            self._keywords_listed = max(0, self._keywords_listed - 1)
+            self._oldest = None
             chunk = self.chunks.popleft()
             self.size -= len(chunk.batch)
             for i in np.flatnonzero(chunk.moving).tolist():

@@ -433,7 +433,9 @@ def test_the_stack_reads_what_each_chunk_reads_as_the_window_changes(
     renewed, a query's view without the older buckets, chunks of an older bucket brought into
     the cell-major index and the keywords' index (as soon as one is settled, as configured, or
     never) and merged again by a compaction (the indexes are cut back to the chunks before
-    them), the keywords' index made again under a renewed vocabulary."""
+    them), the keywords' index made again under a renewed vocabulary, the oldest buckets
+    dropped from the window (their rows left in the stack, left out of reads, until they are
+    the most)."""
     monkeypatch.setattr(records, "INDEX_AFTER", index_after)
     rng = np.random.default_rng(5)
     w = RecordWindow(3600, 60)
@@ -511,9 +513,11 @@ def test_the_stack_reads_what_each_chunk_reads_as_the_window_changes(
             if terms.chunks:  # every (term, row) of the indexed chunks once
                 assert stack.terms_vocab is t.vocab
                 want = sorted((int(term), int(stack.where[stack.ends[i] - c.order.size + r]))
-                              for i, c in enumerate(stack.chunks[:terms.chunks])
+                              for i, c in enumerate(stack.chunks[:terms.chunks]) if c is not None
                               for term, r in zip(*c.term_rows(t.vocab), strict=True))
-                assert sorted(zip(*(a.tolist() for a in folded(terms)), strict=True)) == want
+                assert sorted((k, a) for k, a in zip(*(a.tolist() for a in folded(terms)),
+                                                      strict=True)
+                              if a >= stack.live_from) == want  # (those of rows dropped: left)
 
     def folded(index: records.Folded) -> tuple[Any, Any]:
         """A `Folded` index's keys and positions, each run sorted by key, and its runs of
@@ -577,10 +581,36 @@ def test_the_stack_reads_what_each_chunk_reads_as_the_window_changes(
     w.index_keywords(float("inf"))
     w.index_chunks()
     check()
-    w.tenants["t"].vocab = records.Vocabulary(NOW)  # renewed: the keywords' index made anew
-    check()
     if index_after in (1, 10**9):
         assert stack.cells.chunks == (len(w.tenants["t"].chunks) - 1 if index_after == 1 else 0)
+    w.tenants["t"].vocab = records.Vocabulary(NOW)  # renewed: the keywords' index made anew
+    check()
+    # the oldest buckets leave the window: the stack keeps their rows, left out of reads, until
+    # they are more than those left (then it is made anew)
+    add(30, 6)
+    w.index_keywords(float("inf"))
+    w.index_chunks()
+    check()
+    stack = w.tenants["t"]._stack
+    w.tenants["t"].expire(w.horizon(NOW), 2)
+    assert w.tenants["t"]._stack is stack and stack is not None and stack.dropped > 0
+    check()
+    check(floor=4)
+    add(2, 6)
+    check()
+    w.tenants["t"].expire(w.horizon(NOW), 4)
+    assert w.tenants["t"]._stack is stack and stack.dropped > 1
+    check()
+    w.tenants["t"].compact()  # (merges the newest bucket's chunks: cut back past those dropped)
+    check()
+    w.tenants["t"].expire(w.horizon(NOW), 5)
+    assert w.tenants["t"]._stack is stack
+    check()
+    add(1, 7)
+    check()
+    w.tenants["t"].expire(w.horizon(NOW), 6)
+    assert w.tenants["t"]._stack is None  # (most of its rows were dropped: made anew)
+    check()
 
 
 def test_knn_first_radius_reads_the_newest_buckets_scaled_to_the_window() -> None:
