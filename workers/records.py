@@ -48,7 +48,7 @@ ROWS_PER_SEARCH = 30
 # The stack's chunks past its cell-major index are searched one by one: they are brought into
 # it once this many are of buckets older than the newest (whose chunks still merge as added).
 INDEX_AFTER = 4
-# (between steps, `TenantRecords.index_cells`; a query does it once this many times as many
+# (between steps, `TenantRecords.index_chunks`; a query does it once this many times as many
 # are left out)
 QUERY_INDEXES_AFTER = 4
 FEW_RUNS = 4  # up to this many runs of cells are sliced one by one (`Chunk.rows_of_bounds`)
@@ -512,7 +512,11 @@ class Stack:
 
     It grows at its end as chunks are added (arrays with room to spare: a new chunk's rows
     are copied once), and is cut back to the chunks that are still the window's first ones
-    when newer ones were merged."""
+    when newer ones were merged. Chunks that leave the window are only marked (`drop_first`):
+    their rows are left out of reads until they are the most, then the stack is made anew.
+    The chunks of older buckets are in two indexes (`Folded`): their rows' cells, and their
+    keywords, so that a region's cell runs, or a keyword's rows, are searched once for all of
+    them rather than once per chunk."""
 
     COLUMNS = ("keys", "rows", "lon", "lat", "ts", "at", "where")
 
@@ -865,7 +869,7 @@ class TenantRecords:
         if settled - stack.cells.chunks >= index_after:
             stack.index_cells(settled)
         if self.keywords_asked:
-            upto = settled if in_query else min(settled, self._keywords_listed)
+            upto = settled if in_query else min(settled, dropped + self._keywords_listed)
             if upto - stack.terms.chunks >= index_after or stack.terms_vocab is not self.vocab:
                 stack.index_terms(upto, self.vocab)
         return stack

@@ -47,6 +47,19 @@ async def _write(client: aioredis.Redis, bucket: int, version: str,
     await pipe.execute()
 
 
+async def _read_counting_hgets(client: aioredis.Redis, counts: CellCounts, buckets: range
+                               ) -> tuple[int, int]:
+    """Worker w0's counts of the tenant's `buckets` read: the records of the whole grid in
+    them, and how many HGETs the read made (Redis counts them)."""
+    grid = Grid()
+    before = (await client.info("commandstats")).get("cmdstat_hget", {}).get("calls", 0)
+    pipe = client.pipeline(transaction=False)
+    reading = counts.read(pipe, ["w0"], TENANT, buckets)
+    held = counts.absorb(reading, await pipe.execute(), grid)
+    after = (await client.info("commandstats"))["cmdstat_hget"]["calls"]
+    return held[0].count((0, 0, grid.nx - 1, grid.ny - 1), buckets.start), after - before
+
+
 @pytest.mark.parametrize("indexed", [True, False], ids=["listed", "unlisted"])
 def test_only_changed_buckets_are_read_again(redis_db: str, indexed: bool) -> None:
     async def main() -> None:
@@ -90,21 +103,14 @@ def test_a_tenant_whose_counts_did_not_change_is_answered_at_once(redis_db: str)
     may hold counts the reader never read), nor once anything of the tenant's changed."""
     async def main() -> None:
         client = aioredis.Redis.from_url(redis_db)
-        grid = Grid()
         counts = CellCounts(client)
-        whole = (0, 0, grid.nx - 1, grid.ny - 1)
         await client.hset(names.cell_counts_key("w0"), names.CELL_COUNTS_UPTO, "5-0")
         for b in range(40):
             await _write(client, b, f"e1.{b}", {10: 1, 20: 2}, indexed=True)
         await _write(client, 60, "e1.60", {10: 5}, indexed=True)  # past the first reads
 
         async def read(buckets: range) -> tuple[int, int]:
-            before = (await client.info("commandstats")).get("cmdstat_hget", {}).get("calls", 0)
-            pipe = client.pipeline(transaction=False)
-            reading = counts.read(pipe, ["w0"], TENANT, buckets)
-            held = counts.absorb(reading, await pipe.execute(), grid)
-            after = (await client.info("commandstats"))["cmdstat_hget"]["calls"]
-            return held[0].count(whole, buckets.start), after - before
+            return await _read_counting_hgets(client, counts, buckets)
 
         assert (await read(range(0, 50)))[0] == 120
         assert await read(range(0, 50)) == (120, 2)
@@ -126,21 +132,14 @@ def test_a_long_range_of_buckets_visits_only_those_listed(redis_db: str) -> None
     counts the HGETs a script makes)."""
     async def main() -> None:
         client = aioredis.Redis.from_url(redis_db)
-        grid = Grid()
         counts = CellCounts(client)
         buckets = range(0, 200_000)
-        whole = (0, 0, grid.nx - 1, grid.ny - 1)
         await client.hset(names.cell_counts_key("w0"), names.CELL_COUNTS_UPTO, "5-0")
         for b in (7, 150_000, 199_999):
             await _write(client, b, f"e1.{b}", {10: 1, 20: 2}, indexed=True)
 
         async def read() -> tuple[int, int]:
-            before = (await client.info("commandstats")).get("cmdstat_hget", {}).get("calls", 0)
-            pipe = client.pipeline(transaction=False)
-            reading = counts.read(pipe, ["w0"], TENANT, buckets)
-            held = counts.absorb(reading, await pipe.execute(), grid)
-            after = (await client.info("commandstats"))["cmdstat_hget"]["calls"]
-            return held[0].count(whole, buckets.start), after - before
+            return await _read_counting_hgets(client, counts, buckets)
 
         total, hgets = await read()
         assert total == 9 and hgets < 1_000
