@@ -431,11 +431,12 @@ class QueryService:
         adopters = len(pipe)
         for w in targets:
             pipe.execute_command("GET", names.adopter_key(w))
-        # (read once the first worker answered, having written its counts: they are then
-        # caught up without a read more, for one worker at least)
-        sending = border.first_wait(pipe, sending)
+        # (read once every worker answered, having written its counts: they are then caught
+        # up without a read more, unless a worker took longer than FIRST_WAIT_S)
+        sending = border.first_wait(pipe, sending, len(targets))
         reading = self.counts.read(pipe, targets, tenant, buckets)
-        got = await self.pipelines.execute(pipe.command_stack, block_s=FIRST_WAIT_S)
+        got = await self.pipelines.execute(pipe.command_stack,
+                                           block_s=FIRST_WAIT_S * len(targets))
         if any(a is not None for a in got[adopters:adopters + len(targets)]):
             # (the parts sent are answered to a list nobody reads, which expires)
             log.info("a failed-over worker among %s: the workers count", targets)
@@ -542,7 +543,8 @@ class _Sending(NamedTuple):
     workers: list[str]
     first: int
     archive: bool = False
-    waited: int | None = None  # the position of the first wait for an answer (`first_wait`)
+    # the positions of the first waits for answers (`first_wait`)
+    waited: tuple[int, ...] = ()
     # where the answers come when every worker replies straight to this process (`Inbox`)
     inbox: asyncio.Queue[bytes] | None = None
 
@@ -604,16 +606,18 @@ class _Run:
         return _Sending(token, order, first, self.cut is not None,
                         inbox=inbox.expect(token) if direct and inbox is not None else None)
 
-    def first_wait(self, pipe: Batch, sending: _Sending) -> _Sending:
-        """Queue the first wait for an answer as the last command of `pipe` (a blocking pop
-        blocks the commands after it), so that sending the parts and waiting for the first
-        answer are one round trip. It waits FIRST_WAIT_S at most: the parts may not have
-        been sent (a newer plan, see `gather`). Not on a Redis Cluster, whose pipelines are
-        split by node. Nor when the answers come to the inbox."""
+    def first_wait(self, pipe: Batch, sending: _Sending, answers: int = 1) -> _Sending:
+        """Queue the first wait for an answer (or for `answers` of them) as the last commands
+        of `pipe` (a blocking pop blocks the commands after it), so that sending the parts
+        and waiting for the first answers are one round trip. Each waits FIRST_WAIT_S at
+        most: the parts may not have been sent (a newer plan, see `gather`). Not on a Redis
+        Cluster, whose pipelines are split by node. Nor when the answers come to the
+        inbox."""
         if self.service.router.outbox is not None or sending.inbox is not None:
             return sending
-        pipe.execute_command("BLPOP", names.query_reply_key(sending.token), FIRST_WAIT_S)
-        return sending._replace(waited=len(pipe) - 1)
+        for _ in range(answers):
+            pipe.execute_command("BLPOP", names.query_reply_key(sending.token), FIRST_WAIT_S)
+        return sending._replace(waited=tuple(range(len(pipe) - answers, len(pipe))))
 
     async def _plan_changed(self) -> bool:
         """Whether the newest plan of the plan history is not the one the query was planned
@@ -642,9 +646,12 @@ class _Run:
         key = names.query_reply_key(token)
         replies: list[wire.QueryReply] = []
         answered = False
-        got = results[sending.waited] if sending.waited is not None else None
+        early = [results[i] for i in sending.waited if results[i] is not None]
+        got = None
         try:
             while waiting:
+                if got is None and early:
+                    got = early.pop(0)
                 if got is None:
                     left = self.deadline - time.time()
                     if left <= 0:
