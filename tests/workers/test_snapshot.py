@@ -155,8 +155,12 @@ def random_query(rng: random.Random, clock: float) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory, embedded_redis: Any
             ) -> Iterator[LiveServer]:
+    # (narrow buckets: each publish lands in a bucket of its own, as over an hour's window, so
+    # that the workers' indexes of settled chunks take them between steps and queries read
+    # them there)
     s = start_server(tmp_path_factory.mktemp("snapshot"), embedded_redis.url, workers=2,
-                     GEOSWARM_WORKER_DEAD_AFTER_S="2", GEOSWARM_QUERY_TIMEOUT_S="20")
+                     GEOSWARM_WORKER_DEAD_AFTER_S="2", GEOSWARM_QUERY_TIMEOUT_S="20",
+                     GEOSWARM_BUCKET_S="0.2")
     s.wait_workers(2)
     yield s
     s.stop()
