@@ -41,7 +41,7 @@ def read_by(request: pytest.FixtureRequest) -> Iterator[None]:
     records.INDEXED_ROWS = 10**9 if request.param == "scan" else 0
     if request.param == "scan":
         records.MERGED_ON_ADD_ROWS = 0
-    else:  # the stack's cell-major index holds every chunk of an older bucket
+    else:  # the stack's indexes (cells, keywords) hold every chunk of an older bucket
         records.INDEX_AFTER = records.QUERY_INDEXES_AFTER = 1
     MERGED["merged"] = request.param == "merged-cells"
     yield
@@ -502,7 +502,7 @@ def test_the_stack_reads_what_each_chunk_reads_as_the_window_changes(
                                       np.concatenate(column) if column else np.empty(0))
         stack = t._stack
         if stack is not None:  # (not a view's)
-            # every row of the indexed chunks once in the index, in cell order
+            # every row of the indexed chunks once in the cell index, under its own cell
             cells = stack.cells
             held = stack.ends[cells.chunks - 1] if cells.chunks else 0
             assert cells.size == held
@@ -515,9 +515,9 @@ def test_the_stack_reads_what_each_chunk_reads_as_the_window_changes(
                 want = sorted((int(term), int(stack.where[stack.ends[i] - c.order.size + r]))
                               for i, c in enumerate(stack.chunks[:terms.chunks]) if c is not None
                               for term, r in zip(*c.term_rows(t.vocab), strict=True))
-                assert sorted((k, a) for k, a in zip(*(a.tolist() for a in folded(terms)),
-                                                      strict=True)
-                              if a >= stack.live_from) == want  # (those of rows dropped: left)
+                term_ids, positions = (column.tolist() for column in folded(terms))
+                assert sorted((term, at) for term, at in zip(term_ids, positions, strict=True)
+                              if at >= stack.live_from) == want  # (those of rows dropped: left)
 
     def folded(index: records.Folded) -> tuple[Any, Any]:
         """A `Folded` index's keys and positions, each run sorted by key, and its runs of
