@@ -518,7 +518,7 @@ class Stack:
     keywords, so that a region's cell runs, or a keyword's rows, are searched once for all of
     them rather than once per chunk."""
 
-    COLUMNS = ("keys", "rows", "lon", "lat", "ts", "at", "where")
+    COLUMNS = ("keys", "rows", "lon", "lat", "ts", "at", "where", "occ_start", "occ_len")
 
     def __init__(self) -> None:
         # (held: the positions stay theirs while it lives; None: dropped, `drop_first`)
@@ -535,6 +535,15 @@ class Stack:
         self.at: F64 = np.empty(0, dtype=np.float64)
         # the position of each chunk's row r: where[start of the chunk + r]
         self.where: I64 = np.empty(0, dtype=np.int64)
+        # the keywords of the first `listed` chunks' rows under `occ_vocab`, row after row in
+        # stack order: the term ids of the row at position p are
+        # occ[occ_start[p]:occ_start[p] + occ_len[p]] (`term_counts`); `occ_ends`: the
+        # occurrences in use after each chunk
+        self.occ: I32 = np.empty(0, dtype=np.int32)
+        self.occ_start: I64 = np.empty(0, dtype=np.int64)
+        self.occ_len: I64 = np.empty(0, dtype=np.int64)
+        self.occ_ends: list[int] = []
+        self.occ_vocab: Vocabulary | None = None
         self.used = 0
         self.ends: list[int] = []  # `used` after each chunk
         # the keywords' signatures of the first `signed` chunks' keys, and the vocabulary
@@ -555,6 +564,7 @@ class Stack:
         self.used = self.ends[n - 1] if n else 0
         del self.chunks[n:], self.ends[n:]
         self.signed = min(self.signed, n)
+        del self.occ_ends[n:]
         self.cells.cut(n, self.used)
         self.terms.cut(n, self.used)
 
@@ -645,6 +655,36 @@ class Stack:
         self.signed = len(self.chunks)
         return self.sig
 
+    def term_counts(self, at: Positions, vocab: Vocabulary) -> I64:
+        """How many times each term id of `vocab` occurs among the keywords of the rows at
+        these positions: a gather of theirs alone, from the chunks' `occurrences` laid out
+        in stack order (listed for the chunks not yet listed, all of them again under
+        another vocabulary)."""
+        if self.occ_vocab is not vocab:
+            self.occ_vocab, self.occ_ends = vocab, []
+        for i in range(len(self.occ_ends), len(self.chunks)):
+            chunk = self.chunks[i]
+            used = self.occ_ends[-1] if self.occ_ends else 0
+            if chunk is None:  # (its rows are never read)
+                self.occ_ends.append(used)
+                continue
+            b = self.ends[i]
+            a = b - chunk.order.size
+            ids, rows = chunk.occurrences(vocab)
+            at_of = self.where[a + rows]  # (each occurrence's position)
+            order = np.argsort(at_of, kind="stable")
+            lens = np.bincount(at_of - a, minlength=b - a)
+            self.occ_len[a:b] = lens
+            self.occ_start[a:b] = used + np.cumsum(lens) - lens
+            if self.occ.size < used + ids.size:
+                grown = np.empty(max(used + ids.size, 2 * self.occ.size), dtype=np.int32)
+                grown[:used] = self.occ[:used]
+                self.occ = grown
+            self.occ[used:used + ids.size] = ids[order]
+            self.occ_ends.append(used + ids.size)
+        ids = self.occ[run_positions(self.occ_start[at], self.occ_len[at])]
+        return np.bincount(ids, minlength=len(vocab.terms))
+
     def positions(self, bounds: I64) -> Positions:
         """The positions in the stack of the rows of every chunk in the coarse-cell runs
         whose bounds `run_bounds` made: those of the indexed chunks from one search of the
@@ -711,8 +751,9 @@ def _runs(ends: I64) -> I64:
 
 class Flat(NamedTuple):
     """Rows of a tenant's chunks read for a query, in one array per column: row `row[j]` of
-    chunk `chunks[which[j]]`, at (`lon[j]`, `lat[j]`), of time `ts[j]`, accepted at `at[j]`;
-    in no particular order (`by_chunk` puts them in chunk order)."""
+    chunk `chunks[which[j]]`, at (`lon[j]`, `lat[j]`), of time `ts[j]`, accepted at `at[j]`,
+    and when read from the stack, at position `pos[j]` in it; in no particular order
+    (`by_chunk` puts them in chunk order)."""
 
     chunks: list[Chunk]
     which: I64
@@ -721,6 +762,7 @@ class Flat(NamedTuple):
     lat: F64
     ts: F64
     at: F64
+    pos: Positions | None = None
 
     def __len__(self) -> int:
         return int(self.row.size)
@@ -728,7 +770,8 @@ class Flat(NamedTuple):
     def take(self, keep: Any) -> Flat:
         """These rows less those `keep` (a mask or positions) leaves out."""
         return Flat(self.chunks, self.which[keep], self.row[keep], self.lon[keep],
-                    self.lat[keep], self.ts[keep], self.at[keep])
+                    self.lat[keep], self.ts[keep], self.at[keep],
+                    None if self.pos is None else self.pos[keep])
 
     def by_chunk(self) -> Flat:
         """These rows chunk after chunk in chunk order (in the order they are here within a
@@ -819,7 +862,7 @@ class TenantRecords:
             at = self._positions(stack, region, keywords)
             chunks = cast(list[Chunk], stack.chunks)  # (no row of a dropped one is read)
             flat = Flat(chunks, stack.keys[at] >> CELL_BITS, stack.rows[at], stack.lon[at],
-                        stack.lat[at], stack.ts[at], stack.at[at])
+                        stack.lat[at], stack.ts[at], stack.at[at], at)
         if flat.at.size and float(flat.at.max()) > as_of:
             flat = flat.take(flat.at <= as_of)
         return flat
@@ -921,6 +964,18 @@ class TenantRecords:
         if first == 0:
             self._stack = None
 
+    def term_counts_at(self, at: Positions) -> dict[str, int]:
+        """How many times each keyword occurs in the rows at these positions of the stack
+        (`Stack.term_counts`: a pass over those rows' keywords, not over every chunk's)."""
+        self.keywords_asked = True
+        assert self._stack is not None
+        return self._terms_of(self._stack.term_counts(at, self.vocab))
+
+    def _terms_of(self, counts: I64) -> dict[str, int]:
+        seen = np.flatnonzero(counts)
+        terms = self.vocab.terms
+        return {terms[i]: n for i, n in zip(seen.tolist(), counts[seen].tolist(), strict=True)}
+
     def term_counts(self, selected: list[tuple[Chunk, I64]]) -> dict[str, int]:
         """How many times each keyword occurs in the rows selected of each chunk: one count
         over the chunks' `occurrences` of those rows."""
@@ -938,10 +993,8 @@ class TenantRecords:
                 parts.append(ids[mask[at]])
         if not parts:
             return {}
-        counts = np.bincount(np.concatenate(parts), minlength=len(self.vocab.terms))
-        seen = np.flatnonzero(counts)
-        terms = self.vocab.terms
-        return {terms[i]: n for i, n in zip(seen.tolist(), counts[seen].tolist(), strict=True)}
+        return self._terms_of(np.bincount(np.concatenate(parts),
+                                          minlength=len(self.vocab.terms)))
 
     def count_cells(self, chunk: Chunk, grid: Grid) -> None:
         cx, cy = grid.cells_of(chunk.lon, chunk.lat)

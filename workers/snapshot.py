@@ -73,6 +73,12 @@ def evaluate(records: TenantRecords | None, part: wire.QueryPart, worker: str,
             int(rows.size) for _, rows in _wanted_rows(records, part)))
     if q.type in ("range", "keyword"):
         return _newest(records, part, worker)
+    if q.type == "topk_terms" and not q.latest and records is not None and (
+            q.bbox is not None or q.circle is not None):
+        found = _wanted(records, part)
+        if found.pos is not None:  # read from the stack: the keywords of those rows alone
+            return wire.QueryReply(worker=worker, count=len(found),
+                                   terms=records.term_counts_at(found.pos))
     # count and topk_terms: with `latest`, moving objects' records that are the latest here
     # are listed for the api's check, the others counted (and their keywords)
     reply = wire.QueryReply(worker=worker)

@@ -492,6 +492,10 @@ def test_the_stack_reads_what_each_chunk_reads_as_the_window_changes(
                 got_rows = np.sort(read.get(id(c), np.empty(0, dtype=np.int64)))
                 assert np.isin(least, got_rows).all() and np.isin(got_rows, most).all()
                 assert np.unique(got_rows).size == got_rows.size
+            if got.pos is not None:  # (read from the stack) the keywords of those rows
+                assert t._stack is not None
+                assert t._terms_of(t._stack.term_counts(got.pos, t.vocab)) == t.term_counts(
+                    list(got.groups()))
             ordered = got.by_chunk()
             pairs = [sorted(zip(f.which.tolist(), f.row.tolist(), strict=True))
                      for f in (got, ordered)]
