@@ -518,7 +518,7 @@ class Stack:
     keywords, so that a region's cell runs, or a keyword's rows, are searched once for all of
     them rather than once per chunk."""
 
-    COLUMNS = ("keys", "rows", "lon", "lat", "ts", "at", "where", "occ_start", "occ_len")
+    COLUMNS = ("keys", "rows", "lon", "lat", "ts", "at", "where")
 
     def __init__(self) -> None:
         # (held: the positions stay theirs while it lives; None: dropped, `drop_first`)
@@ -662,6 +662,12 @@ class Stack:
         another vocabulary)."""
         if self.occ_vocab is not vocab:
             self.occ_vocab, self.occ_ends = vocab, []
+        if self.occ_start.size < self.keys.size:  # (made once a query asks: grown as the keys)
+            kept = self.ends[len(self.occ_ends) - 1] if self.occ_ends else 0
+            for name in ("occ_start", "occ_len"):
+                column = np.empty(self.keys.size, dtype=np.int64)
+                column[:kept] = getattr(self, name)[:kept]
+                setattr(self, name, column)
         for i in range(len(self.occ_ends), len(self.chunks)):
             chunk = self.chunks[i]
             used = self.occ_ends[-1] if self.occ_ends else 0
@@ -677,9 +683,9 @@ class Stack:
             self.occ_len[a:b] = lens
             self.occ_start[a:b] = used + np.cumsum(lens) - lens
             if self.occ.size < used + ids.size:
-                grown = np.empty(max(used + ids.size, 2 * self.occ.size), dtype=np.int32)
-                grown[:used] = self.occ[:used]
-                self.occ = grown
+                room = np.empty(max(used + ids.size, 2 * self.occ.size), dtype=np.int32)
+                room[:used] = self.occ[:used]
+                self.occ = room
             self.occ[used:used + ids.size] = ids[order]
             self.occ_ends.append(used + ids.size)
         ids = self.occ[run_positions(self.occ_start[at], self.occ_len[at])]
