@@ -479,9 +479,14 @@ class Folded:
         """The positions of the keys of runs [bounds[2i], bounds[2i + 1])."""
         bounds = bounds.astype(np.int32)
         found = [at[_runs(np.searchsorted(keys, bounds))] for keys, at, _ in self.runs]
-        if len(found) == 1:
-            return found[0]
-        return np.concatenate(found) if found else np.empty(0, dtype=np.int32)
+        return _joined(found)
+
+
+def _joined(found: list[Positions]) -> Positions:
+    """Positions found in parts, as one array."""
+    if len(found) == 1:
+        return found[0]
+    return np.concatenate(found) if found else np.empty(0, dtype=np.int64)
 
 
 def _merged(older: tuple[I32, I32, int], newer: tuple[I32, I32, int]) -> tuple[I32, I32, int]:
@@ -584,6 +589,12 @@ class Stack:
         """These positions less those of rows dropped."""
         return at[at >= self.live_from] if self.live_from else at
 
+    def positions_of(self, i: int, rows: I32 | I64) -> I64:
+        """The positions of these rows of the `i`-th chunk."""
+        chunk = self.chunks[i]
+        assert chunk is not None
+        return self.where[self.ends[i] - chunk.order.size + rows]
+
     def index_cells(self, upto: int) -> None:
         """Bring the first `upto` chunks into the cell-major index."""
         if upto > self.cells.chunks:
@@ -604,7 +615,7 @@ class Stack:
             if chunk is not None:
                 term_ids, rows = chunk.term_rows(vocab)
                 ids.append(term_ids)
-                at.append(self.where[self.ends[i] - chunk.order.size + rows])
+                at.append(self.positions_of(i, rows))
         self.terms.add(np.concatenate(ids), np.concatenate(at), upto)
 
     def extend(self, chunks: Iterable[Chunk]) -> None:
@@ -677,7 +688,7 @@ class Stack:
             b = self.ends[i]
             a = b - chunk.order.size
             ids, rows = chunk.occurrences(vocab)
-            at_of = self.where[a + rows]  # (each occurrence's position)
+            at_of = self.positions_of(i, rows)  # (each occurrence's position)
             order = np.argsort(at_of, kind="stable")
             lens = np.bincount(at_of - a, minlength=b - a)
             self.occ_len[a:b] = lens
@@ -704,9 +715,7 @@ class Stack:
             chunks = np.arange(first, n, dtype=np.int64) << CELL_BITS
             found.append(_runs(np.searchsorted(self.keys[:self.used],
                                                (chunks[:, None] | bounds).ravel())))
-        if len(found) == 1:
-            return found[0]
-        return np.concatenate(found) if found else np.empty(0, dtype=np.int64)
+        return _joined(found)
 
     def positions_with(self, terms: frozenset[str], match_all: bool, vocab: Vocabulary
                        ) -> Positions:
@@ -737,10 +746,8 @@ class Stack:
             if chunk is not None:
                 rows = chunk.rows_with(terms, match_all, vocab)
                 if rows.size:
-                    found.append(self.where[self.ends[i] - chunk.order.size + rows])
-        if len(found) == 1:
-            return found[0]
-        return np.concatenate(found) if found else np.empty(0, dtype=np.int64)
+                    found.append(self.positions_of(i, rows))
+        return _joined(found)
 
     def searches(self, runs: int) -> int:
         """How many binary searches `positions` makes for this many runs of cells."""
