@@ -254,7 +254,8 @@ class Chunk:
         term_id = vocab.ids.get(term)
         if term_id is None:
             return None
-        a, b = np.searchsorted(ids, (term_id, term_id + 1)).tolist()
+        # (needles of the index's own dtype: other needles copy the whole index to theirs)
+        a, b = np.searchsorted(ids, np.array((term_id, term_id + 1), dtype=ids.dtype)).tolist()
         return rows[a:b] if b > a else None
 
     def with_keywords(self, terms: frozenset[str], match_all: bool, vocab: Vocabulary) -> Bool:
@@ -289,7 +290,8 @@ class Chunk:
             if found is None:
                 has = np.zeros(rows.size, dtype=bool)
             else:
-                at = np.minimum(np.searchsorted(found, rows), found.size - 1)
+                at = np.minimum(np.searchsorted(found, rows.astype(found.dtype)),
+                                found.size - 1)
                 has = found[at] == rows
             if match_all:
                 out &= has
