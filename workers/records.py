@@ -45,6 +45,9 @@ INDEXED_ROWS = 4096
 # test of this many rows: a tall region is read by its cell runs while they need fewer
 # searches than the test of every row would cost.
 ROWS_PER_SEARCH = 30
+# rows of the stack whose signatures tell about which share of the rows hold a query's
+# keywords (`TenantRecords.keyword_share`)
+SHARE_SAMPLE = 4096
 # The stack's chunks past its cell-major index are searched one by one: they are brought into
 # it once this many are of buckets older than the newest (whose chunks still merge as added).
 INDEX_AFTER = 4
@@ -366,6 +369,16 @@ class Chunk:
             sigs = [c._signature for c in chunks]
             if all(g is not None and g[0] is vocab for g in sigs):
                 merged._signature = (vocab, np.concatenate([g[1] for g in sigs if g]))
+            pairs = [c._term_rows for c in chunks]
+            if all(p is not None for p in pairs):
+                # each chunk's distinct (term, row) pairs are sorted: a stable sort of them
+                # one after another merges runs (making them again from the occurrences
+                # sorted all of them: tens of ms for a merged chunk of the window)
+                keys = np.concatenate([p[0].astype(np.int64) << 32 | (p[1] + off) for p, off
+                                       in zip(pairs, offsets.tolist(), strict=True) if p])
+                keys.sort(kind="stable")
+                merged._term_rows = ((keys >> 32).astype(np.int32),
+                                     (keys & 0xFFFFFFFF).astype(np.int32))
         return merged
 
 
@@ -932,6 +945,23 @@ class TenantRecords:
                 stack.index_terms(upto, self.vocab)
         return stack
 
+    def keyword_share(self, terms: frozenset[str], match_all: bool) -> float:
+        """About which share of the rows hold the keywords (every one of them with
+        `match_all`, else any): the share of SHARE_SAMPLE rows spread over the stack whose
+        keywords' signature may hold them (an upper bound, give or take the sample: a
+        signature holds a few rows more), and less than one row of the sample when none
+        does. 1.0 without a stack (a view of `after`) or rows."""
+        if self.floor != NO_CUT or not terms:
+            return 1.0
+        stack = self._stacked_chunks(in_query=True)
+        sig = stack.signatures(self.vocab)  # (first: the vocabulary then knows the terms)
+        a, b = stack.live_from, stack.used
+        if b <= a:
+            return 1.0
+        sample = sig[a:b:max(1, (b - a) // SHARE_SAMPLE)]
+        held = int(np.count_nonzero(Terms.of(terms, match_all, self.vocab).may_hold(sample)))
+        return max(held, 0.5) / sample.size
+
     def index_chunks(self) -> None:
         """Bring the chunks of older buckets into the stack's indexes (once INDEX_AFTER are
         not in one), between steps rather than in a query (a merge into an index costs a
@@ -946,15 +976,17 @@ class TenantRecords:
 
     def index_keywords(self, deadline: float) -> bool:
         """List the keywords of the chunks not yet listed under the vocabulary (their
-        `signature`, and so their `occurrences`) until `deadline` (`time.monotonic`); True
-        once every chunk is. Only once a query asked about keywords (`keywords_asked`): a
-        tenant that never does costs no pass over its records' keywords."""
+        `signature`, and so their `occurrences`, and their `term_rows`, which merges then
+        keep) until `deadline` (`time.monotonic`); True once every chunk is. Only once a
+        query asked about keywords (`keywords_asked`): a tenant that never does costs no
+        pass over its records' keywords."""
         if not self.keywords_asked:
             return True
         for i in range(self._keywords_listed, len(self.chunks)):
             if time.monotonic() > deadline:
                 return False
             self.chunks[i].signature(self.vocab)
+            self.chunks[i].term_rows(self.vocab)
             self._keywords_listed = i + 1
         return True
 

@@ -359,7 +359,7 @@ WORLD_M = 2.1e7  # beyond half the circumference every point is within reach
 
 
 def first_radius(records: TenantRecords, grid: Grid | None, px: float, py: float,
-                 k: int) -> float:
+                 k: float) -> float:
     """Where a knn starts looking: the radius of a circle holding FIRST_EXPECTED x k records
     at the density of the point's cell of the global grid (the window's per-cell counts),
     so that one or two reads usually suffice, dense city or empty plain; FIRST_RADIUS_M
@@ -421,7 +421,11 @@ def _nearest(records: TenantRecords | None, part: wire.QueryPart, worker: str,
     limit = part.limit or q.k
     wanted = frozenset(q.keywords)
     cap = q.max_distance_m
-    radius = first_radius(records, grid, px, py, limit)
+    # with keywords, as far as the density of the rows that hold them puts FIRST_EXPECTED
+    # times k of them (a rare keyword's nearest lie far: reads that grow ring by ring from
+    # where k records of any keyword lie read the same rows again and again)
+    share = records.keyword_share(wanted, q.match_all) if wanted else 1.0
+    radius = first_radius(records, grid, px, py, limit / share)
     radius = radius if cap is None else min(radius, cap)
     while True:
         world = radius >= WORLD_M

@@ -215,8 +215,9 @@ def test_a_border_count_over_many_records_around_the_hole() -> None:
 def test_merged_chunks_equal_one_built_from_the_joined_rows(sizes: list[int], seed: int) -> None:
     """`Chunk.merge` joins the chunks' sorted cells instead of sorting again: the same chunk,
     rows of one cell in row order (a coarse lattice makes many ties). The keywords the chunks
-    had listed (`occurrences`, `signature`) are joined too when every chunk had them for one
-    vocabulary, and equal the merged rows' own; otherwise they are listed again."""
+    had listed (`occurrences`, `signature`, `term_rows`) are joined too when every chunk had
+    them for one vocabulary, and equal the merged rows' own; otherwise they are listed
+    again."""
     rng = np.random.default_rng(seed)
     chunks = []
     vocab = records.Vocabulary(NOW)
@@ -227,13 +228,15 @@ def test_merged_chunks_equal_one_built_from_the_joined_rows(sizes: list[int], se
             tenant="t", sent_at=NOW + c, plan_version=1, ids=[f"o{c}-{i}" for i in range(n)],
             record_ids=[f"r{c}-{i}" for i in range(n)], moving=[bool(i % 2) for i in range(n)],
             lon=lon, lat=lat, ts=[NOW + c] * n,
-            keywords=[sorted({"abcdef"[int(k)] for k in rng.integers(0, 6, int(rng.integers(4)))})
+            # (a row may list a term twice: `term_rows` holds it once)
+            keywords=[["abcdef"[int(k)] for k in rng.integers(0, 6, int(rng.integers(4)))]
                       for _ in range(n)], text=[None] * n,
             props=[None] * n, prev=[None] * n, late=[False] * n, exit_only=[False] * n,
             decide_exit=[False] * n), 1))
     listed = seed % 3  # 0: none listed, 1: all (signed), 2: all but the last
     for chunk in chunks[:len(chunks) - (listed == 2)] if listed else []:
         chunk.signature(vocab)
+        chunk.term_rows(vocab)
     merged = records.Chunk.merge(chunks)
     built = records.Chunk.build(1, wire.ObjectBatch.concat([c.batch for c in chunks]),
                                 np.concatenate([c.at for c in chunks]))
@@ -241,7 +244,11 @@ def test_merged_chunks_equal_one_built_from_the_joined_rows(sizes: list[int], se
         assert np.array_equal(getattr(merged, name), getattr(built, name)), name
     assert merged.batch.ids == built.batch.ids
     assert (merged.first_at, merged.last_at) == (built.first_at, built.last_at)
-    assert (merged._signature is not None) == (listed == 1 or (listed == 2 and len(chunks) == 1))
+    joined = listed == 1 or (listed == 2 and len(chunks) == 1)
+    assert (merged._signature is not None) == joined
+    assert (merged._term_rows is not None) == joined
+    for a, b in zip(merged.term_rows(vocab), built.term_rows(vocab), strict=True):
+        assert a.dtype == b.dtype and np.array_equal(a, b)
     for a, b in zip(merged.occurrences(vocab), built.occurrences(vocab), strict=True):
         assert np.array_equal(a, b)
     assert np.array_equal(merged.signature(vocab), built.signature(vocab))
@@ -641,6 +648,52 @@ def test_knn_first_radius_reads_the_newest_buckets_scaled_to_the_window() -> Non
             * grid.cell_height * math.pi * 6_371_008.8 / 180)
     want = math.sqrt(FIRST_EXPECTED * 10 * area / (math.pi * every))
     assert first_radius(t, grid, 2.35, 48.85, 10) == pytest.approx(want, rel=0.05)
+
+
+@pytest.mark.parametrize("n", [3_000, 40_000])
+def test_the_share_of_rows_holding_keywords_is_told_from_a_sample_of_signatures(n: int
+                                                                                ) -> None:
+    """`TenantRecords.keyword_share`, which scales a knn's first radius by how rare its
+    keywords are: every row's signature read when there are fewer than the sample (never
+    below the true share then), a sample of them past that (about the true share); below
+    one row of the sample for a keyword nobody has, and only those of the rows left in the
+    window."""
+    rng = np.random.default_rng(4)
+    w = RecordWindow(3600, 60)
+    vocabulary = [f"w{i}" for i in range(200)]
+    # w0 on every row, w1 on a tenth, w2 on a hundredth, w9 on the first quarter, the rest
+    # spread
+    kws = [["w0"] + (["w1"] if i % 10 == 0 else []) + (["w2"] if i % 100 == 0 else [])
+           + (["w9"] if i < n // 4 else []) + [vocabulary[j] for j in rng.integers(10, 200, 3)]
+           for i in range(n)]
+    first = int(NOW // 60) - 3
+    for b, a in enumerate(range(0, n, n // 4)):
+        part = kws[a:a + n // 4]
+        m = len(part)
+        w.add(wire.ObjectBatch(
+            tenant="t", sent_at=NOW + b, plan_version=1, ids=[f"o{a + i}" for i in range(m)],
+            record_ids=[f"r{a + i}" for i in range(m)], moving=[False] * m,
+            lon=rng.uniform(-10, 10, m).tolist(), lat=rng.uniform(-10, 10, m).tolist(),
+            ts=[NOW] * m, keywords=part, text=[None] * m, props=[None] * m, prev=[None] * m,
+            late=[False] * m, exit_only=[False] * m, decide_exit=[False] * m), first + b)
+    t = w.tenants["t"]
+    assert t.keyword_share(frozenset({"w0"}), False) == 1.0
+    assert t.keyword_share(frozenset(), False) == 1.0
+    sample = min(n, records.SHARE_SAMPLE)
+    for terms, match_all, true in [({"w1"}, False, 0.1), ({"w2"}, False, 0.01),
+                                   ({"w1", "w2"}, False, 0.1), ({"w1", "w2"}, True, 0.01),
+                                   ({"w9"}, False, 0.25)]:
+        share = t.keyword_share(frozenset(terms), match_all)
+        low = true if n <= sample else true * 0.7
+        assert low <= share < true + 0.05, (terms, match_all, share)
+    assert t.keyword_share(frozenset({"nobody"}), False) < 1 / sample
+    assert t.keyword_share(frozenset({"w1", "nobody"}), True) < 1 / sample
+    # the first bucket leaves the window: its rows are left out of the sample (the stack
+    # keeps them, dropped, while fewer than those left)
+    stack = t._stack
+    t.expire(first + 1, first)
+    assert t._stack is stack and stack.live_from > 0
+    assert t.keyword_share(frozenset({"w9"}), False) < 0.05  # (a signature's few more)
 
 
 @settings(max_examples=300, deadline=None)
