@@ -34,9 +34,6 @@ from workers.records import (
     run_bounds,
 )
 
-Row = tuple[Chunk, int]
-
-
 
 def evaluate(records: TenantRecords | None, part: wire.QueryPart, worker: str,
              grid: Grid | None = None, dropped: int = NO_CUT) -> wire.QueryReply:
@@ -198,14 +195,15 @@ def _newest(records: TenantRecords | None, part: wire.QueryPart, worker: str
     chunks, which, row = found.chunks, found.which, found.row
     age = -found.ts
     limit = part.limit
-    # sorted as the aggregator merges: (newest first, id, latest arrival first)
-    taken: list[tuple[float, str, float, Row]] = []
+    # sorted as the aggregator merges: (newest first, id, latest arrival first), with the
+    # row's place in `found`
+    taken: list[tuple[float, str, float, int]] = []
     more = False
     if not part.query.latest:
         # every row is accepted: those up to the limit-th age, ties included
-        for j in _up_to_kth(age, limit if limit else age.size).tolist():
-            chunk, i = chunks[which[j]], int(row[j])
-            taken.append((float(age[j]), chunk.batch.ids[i], -float(found.at[j]), (chunk, i)))
+        sel = _up_to_kth(age, limit if limit else age.size)
+        taken = list(zip(age[sel].tolist(), _ids(found, sel), (-found.at[sel]).tolist(),
+                         sel.tolist(), strict=True))
         more = bool(limit) and age.size > limit
     else:
         for j in _ascending(age, limit):
@@ -218,11 +216,40 @@ def _newest(records: TenantRecords | None, part: wire.QueryPart, worker: str
                 # left)
                 more = True
                 break
-            taken.append((a, chunk.batch.ids[i], -float(found.at[j]), (chunk, i)))
+            taken.append((a, chunk.batch.ids[i], -float(found.at[j]), j))
         more = more or (bool(limit) and len(taken) > limit)
     taken.sort(key=lambda t: t[:3])
-    out = [_found(*t[3]) for t in (taken[:limit] if limit else taken)]
+    out = _records(found, [t[3] for t in (taken[:limit] if limit else taken)])
     return wire.QueryReply(worker=worker, records=out, truncated=more)
+
+
+def _ids(flat: Flat, sel: I64) -> list[str]:
+    """The object ids of these rows of `flat`."""
+    chunks = flat.chunks
+    return [chunks[w].batch.ids[i] for w, i in zip(flat.which[sel].tolist(),
+                                                    flat.row[sel].tolist(), strict=True)]
+
+
+def _records(flat: Flat, sel: list[int], dist: list[float] | None = None
+             ) -> list[wire.FoundRecord]:
+    """These rows of `flat` as reply records (with `dist`: their distances). The columns
+    read come from `flat`'s arrays, as lists at once, the rest from each chunk's batch (a
+    lookup in a chunk's Python lists is a cache miss or more a field, on a worker that
+    slept: a record's coordinates and times are taken where they already are)."""
+    at = np.asarray(sel, dtype=np.int64)
+    chunks = flat.chunks
+    out = []
+    for w, i, x, y, t, a in zip(flat.which[at].tolist(), flat.row[at].tolist(),
+                                flat.lon[at].tolist(), flat.lat[at].tolist(),
+                                flat.ts[at].tolist(), flat.at[at].tolist(), strict=True):
+        b = chunks[w].batch
+        out.append(wire.FoundRecord(id=b.ids[i], lon=x, lat=y, ts=t, keywords=b.keywords[i],
+                                    text=b.text[i], props=b.props[i], moving=b.moving[i],
+                                    at=a))
+    if dist is not None:
+        for r, d in zip(out, dist, strict=True):
+            r.distance_m = d
+    return out
 
 
 def _found(chunk: Chunk, i: int, light: bool = False) -> wire.FoundRecord:
@@ -450,30 +477,26 @@ def _nearest(records: TenantRecords | None, part: wire.QueryPart, worker: str,
         if last or more:
             break
         radius = radius * 4 if cap is None else min(radius * 4, cap)
-    out = []
-    for d, _, _, _, (chunk, i) in taken[:limit]:
-        found = _found(chunk, i)
-        found.distance_m = d
-        out.append(found)
+    taken = taken[:limit]
+    out = _records(near, [t[4] for t in taken], [t[0] for t in taken])
     return wire.QueryReply(worker=worker, records=out, truncated=more)
 
 
 def _take_nearest(records: TenantRecords, part: wire.QueryPart, wanted: frozenset[str],
                   limit: int, near: Flat, dist: Any
-                  ) -> tuple[list[tuple[float, str, float, float, Row]], bool]:
+                  ) -> tuple[list[tuple[float, str, float, float, int]], bool]:
     """The accepted rows up to the limit-th distance (ties included), sorted as the
-    aggregator merges them, and whether one more accepted row lies beyond (candidates: the
-    rows of `near`, at `dist`)."""
+    aggregator merges them, with each one's place in `near`, and whether one more accepted
+    row lies beyond (candidates: the rows of `near`, at `dist`)."""
     chunks, which, row = near.chunks, near.which, near.row
     # sorted as the aggregator merges: (distance, id, newest record first, latest arrival)
-    taken: list[tuple[float, str, float, float, Row]] = []
+    taken: list[tuple[float, str, float, float, int]] = []
     if not wanted and not part.query.latest:
         # every candidate is accepted: those up to the limit-th distance, ties included, and
         # more lie beyond (or among the ties) when there are more candidates than the limit
-        for j in _up_to_kth(dist, limit).tolist():
-            chunk, i = chunks[which[j]], int(row[j])
-            taken.append((float(dist[j]), chunk.batch.ids[i], -float(near.ts[j]),
-                          -float(near.at[j]), (chunk, i)))
+        sel = _up_to_kth(dist, limit)
+        taken = list(zip(dist[sel].tolist(), _ids(near, sel), (-near.ts[sel]).tolist(),
+                         (-near.at[sel]).tolist(), sel.tolist(), strict=True))
         taken.sort(key=lambda t: t[:4])
         return taken, dist.size > limit
     more = False
@@ -485,8 +508,7 @@ def _take_nearest(records: TenantRecords, part: wire.QueryPart, wanted: frozense
         if len(taken) >= limit and d > taken[limit - 1][0]:
             more = True  # past the list's last distance
             break
-        taken.append((d, chunk.batch.ids[i], -float(near.ts[j]), -float(near.at[j]),
-                      (chunk, i)))
+        taken.append((d, chunk.batch.ids[i], -float(near.ts[j]), -float(near.at[j]), j))
         if len(taken) >= limit:
             taken.sort(key=lambda t: t[:4])
     taken.sort(key=lambda t: t[:4])
