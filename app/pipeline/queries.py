@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import heapq
 import logging
 import secrets
 import time
@@ -116,6 +117,17 @@ SortKey = Callable[[wire.FoundRecord], tuple[Any, ...]]
 
 def newest_first(r: wire.FoundRecord) -> tuple[Any, ...]:
     return (-r.ts, r.id, -r.at)
+
+
+def top_terms(terms: dict[str, int], k: int) -> list[tuple[str, int]]:
+    """The k most frequent terms, ties by term: those as frequent as the k-th count (found
+    among the counts alone) sorted, not every term (a large region has thousands: the sort
+    of all of them by a Python key cost ms)."""
+    if not terms or k <= 0:
+        return []
+    kth = heapq.nlargest(k, terms.values())[-1]
+    return sorted(((t, n) for t, n in terms.items() if n >= kth),
+                  key=lambda t: (-t[1], t[0]))[:k]
 
 
 def nearest_first(r: wire.FoundRecord) -> tuple[Any, ...]:
@@ -344,7 +356,7 @@ class QueryService:
                 terms.update(reply.terms)
             for rec in verified:
                 terms.update(rec.keywords)
-            top = sorted(terms.items(), key=lambda t: (-t[1], t[0]))[:query.k]
+            top = top_terms(terms, query.k)
             return {"results": [{"term": t, "count": c} for t, c in top],
                     "sources": sources, "truncated": len(terms) > query.k}
         if (query.type == "knn" and not query.latest and not self.router.replicated

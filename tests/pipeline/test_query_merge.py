@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from app.pipeline import wire
-from app.pipeline.queries import merge_listed, nearest_first, newest_first
+from app.pipeline.queries import merge_listed, nearest_first, newest_first, top_terms
 
 
 def record(i: int, ts: float, dist: float) -> wire.FoundRecord:
@@ -59,3 +59,13 @@ def test_rounds_end_with_the_exact_first_records(workers: list[list[tuple[int, i
             return
         per_worker *= 4
     raise AssertionError("never exact")
+
+
+@settings(max_examples=300, deadline=None)
+@given(terms=st.dictionaries(st.text("abcdef", min_size=1, max_size=3), st.integers(1, 6),
+                             max_size=60), k=st.integers(0, 12))
+def test_the_top_terms_are_the_first_k_of_every_term_sorted(terms: dict[str, int], k: int
+                                                            ) -> None:
+    """`top_terms` sorts only the terms as frequent as the k-th count (many ties here): the
+    first k of every term sorted by count, then term."""
+    assert top_terms(terms, k) == sorted(terms.items(), key=lambda t: (-t[1], t[0]))[:k]
