@@ -227,14 +227,20 @@ class Chunk:
         first use (one pass over the rows' keywords), again for another vocabulary."""
         held = self._occurrences
         if held is None or held[0] is not vocab:
-            ids: list[int] = []
-            rows: list[int] = []
-            for i, kws in enumerate(self.batch.keywords):
-                for term in kws:
-                    ids.append(vocab.id(term))
-                    rows.append(i)
-            held = self._occurrences = (vocab, np.array(ids, dtype=np.int32),
-                                        np.array(rows, dtype=np.int32))
+            # (one pass of C over the terms where it can: the loop per term in Python took
+            # twice as long, and the first keyword query lists every chunk)
+            keywords = self.batch.keywords
+            flat = list(itertools.chain.from_iterable(keywords))
+            known = vocab.ids
+            ids = list(map(known.get, flat))
+            if None in ids:
+                for term in dict.fromkeys(flat):  # (new terms: ids in order of first sight)
+                    vocab.id(term)
+                ids = list(map(known.__getitem__, flat))
+            per_row = np.fromiter(map(len, keywords), dtype=np.int64, count=len(keywords))
+            held = self._occurrences = (
+                vocab, np.array(ids, dtype=np.int32),
+                np.repeat(np.arange(len(keywords), dtype=np.int32), per_row))
             self._term_rows = None
         return held[1], held[2]
 
@@ -244,7 +250,11 @@ class Chunk:
         ids, rows = self.occurrences(vocab)
         held = self._term_rows
         if held is None:
-            pairs = np.unique(ids.astype(np.int64) << 32 | rows.astype(np.int64))
+            pairs = ids.astype(np.int64) << 32 | rows.astype(np.int64)
+            pairs.sort(kind="stable")  # (4x np.unique's time over a merged chunk's pairs)
+            distinct = np.ones(pairs.size, dtype=bool)
+            distinct[1:] = pairs[1:] != pairs[:-1]
+            pairs = pairs[distinct]
             held = self._term_rows = ((pairs >> 32).astype(np.int32),
                                       (pairs & 0xFFFFFFFF).astype(np.int32))
         return held

@@ -210,6 +210,36 @@ def test_a_border_count_over_many_records_around_the_hole() -> None:
     assert whole + border == want
 
 
+@settings(max_examples=200, deadline=None)
+@given(keywords=st.lists(st.lists(st.sampled_from(["a", "b", "c", "dd", "é"]), max_size=4),
+                         min_size=1, max_size=30),
+       known=st.lists(st.sampled_from(["b", "dd", "zz"]), unique=True))
+def test_a_chunks_keywords_are_listed_row_by_row_with_ids_in_order_of_first_sight(
+        keywords: list[list[str]], known: list[str]) -> None:
+    """`Chunk.occurrences`: every keyword of every row (repeats and rows without any too) as
+    (id, row) in row order, a term new to the vocabulary given the next id as first seen;
+    `term_rows` their distinct pairs by term, then row."""
+    vocab = records.Vocabulary(NOW)
+    for term in known:
+        vocab.id(term)
+    n = len(keywords)
+    chunk = records.Chunk.of(wire.ObjectBatch(
+        tenant="t", sent_at=NOW, plan_version=1, ids=[f"o{i}" for i in range(n)],
+        record_ids=[f"r{i}" for i in range(n)], moving=[False] * n, lon=[0.0] * n,
+        lat=[0.0] * n, ts=[NOW] * n, keywords=keywords, text=[None] * n, props=[None] * n,
+        prev=[None] * n, late=[False] * n, exit_only=[False] * n, decide_exit=[False] * n), 1)
+    ids, rows = chunk.occurrences(vocab)
+    assert ids.dtype == rows.dtype == np.int32
+    assert [(vocab.terms[t], r) for t, r in zip(ids.tolist(), rows.tolist(), strict=True)] == [
+        (term, i) for i, kws in enumerate(keywords) for term in kws]
+    order = list(known) + [t for t in dict.fromkeys(t for kws in keywords for t in kws)
+                           if t not in known]
+    assert vocab.terms == order and vocab.ids == {t: i for i, t in enumerate(order)}
+    term_ids, term_rows = chunk.term_rows(vocab)
+    assert list(zip(term_ids.tolist(), term_rows.tolist(), strict=True)) == sorted(
+        {(vocab.ids[term], i) for i, kws in enumerate(keywords) for term in kws})
+
+
 @settings(max_examples=60, deadline=None)
 @given(sizes=st.lists(st.integers(1, 60), min_size=2, max_size=6), seed=st.integers(0, 2**32 - 1))
 def test_merged_chunks_equal_one_built_from_the_joined_rows(sizes: list[int], seed: int) -> None:
