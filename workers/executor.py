@@ -25,6 +25,7 @@ from app.core.config import Settings
 from app.core.db import make_engine, make_sessionmaker
 from app.core.redis import db_of, is_cluster, run_script, worker_client
 from app.geo import balance
+from app.geo.arrays import distinct
 from app.geo.geometry import circle_bbox
 from app.geo.index import GlobalIndex, Partition
 from app.pipeline import cluster, names, records, wire
@@ -1218,7 +1219,7 @@ class Executor:
         bucket = int(time.time() // 30)
         records = {batch.record_ids[i]: orjson.dumps(public_record(
             batch.ids[i], batch.lon[i], batch.lat[i], batch.ts[i], batch.keywords[i],
-            batch.text[i], batch.props[i])) for i in np.unique(m.rows).tolist()}
+            batch.text[i], batch.props[i])) for i in distinct(m.rows).tolist()}
         rkey = names.records_key(tenant, bucket)
         pipe.hset(rkey, mapping=records)
         pipe.expire(rkey, int(self.settings.history_max_age_s) + 90)

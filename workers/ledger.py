@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from app.geo.arrays import distinct
 from app.geo.geometry import circle_bbox
 from app.geo.grid import Grid
 from app.geo.index import GlobalIndex, Partition
@@ -180,7 +181,7 @@ class SwarmLedger:
         """Call fn(stats, cx, cy, n) per partition held with the cells inside it."""
         assert self.index is not None
         part = self.index.cell_part[cy, cx]
-        for pi in np.unique(part).tolist():
+        for pi in distinct(part).tolist():
             stats = self.stats.get(self.index.partitions[pi].id)
             if stats is not None:
                 sel = part == pi

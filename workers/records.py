@@ -21,6 +21,7 @@ from typing import Any, NamedTuple, cast
 import numpy as np
 
 from app.archive.layout import NO_CUT
+from app.geo.arrays import distinct
 from app.geo.geometry import bbox_contains
 from app.geo.grid import Grid, run_positions
 from app.pipeline.wire import ObjectBatch
@@ -288,7 +289,7 @@ class Chunk:
         if len(held) == 1:
             return held[0]
         if not match_all:
-            return np.unique(np.concatenate(held))
+            return distinct(np.concatenate(held))
         rows = held[0]
         for f in held[1:]:
             rows = np.intersect1d(rows, f, assume_unique=True)
@@ -762,7 +763,7 @@ class Stack:
             elif len(each) == 1:
                 found.append(each[0])
             elif each:
-                found.append(np.unique(np.concatenate(each)))
+                found.append(distinct(np.concatenate(each)))
             first = self.terms.chunks
         else:
             first = 0

@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from app.geo.arrays import distinct
 from app.geo.grid import Grid
 from app.geo.index import GlobalIndex, Partition
 from app.geo.matcher import MatchResult, Sub, SubscriptionIndex, sub_from_spec
@@ -267,7 +268,7 @@ class TenantSubs:
             assert local.index is not None
             slots = local.slot
             part = local.index.partition_of_points(lon, lat)
-            for pi in np.unique(part).tolist():
+            for pi in distinct(part).tolist():
                 rows = np.flatnonzero(part == pi)
                 held = slots[pi]
                 if held is not None:
@@ -291,6 +292,6 @@ class TenantSubs:
         if not repeats:
             return (np.concatenate([o for o, _ in found]).astype(np.int64, copy=False),
                     np.concatenate([k for _, k in found]).astype(np.int64, copy=False))
-        code = np.unique(np.concatenate([(o.astype(np.int64) << 32) | k.astype(np.int64)
+        code = distinct(np.concatenate([(o.astype(np.int64) << 32) | k.astype(np.int64)
                                          for o, k in found]))
         return code >> 32, code & 0xFFFFFFFF

@@ -15,6 +15,7 @@ from typing import Any, Literal
 import numpy as np
 import numpy.typing as npt
 
+from app.geo.arrays import distinct
 from app.geo.geometry import EARTH_RADIUS_M, BBox, bbox_contains, circle_bbox, haversine_m
 from app.geo.grid import Grid
 
@@ -564,7 +565,7 @@ class SubscriptionIndex:
             keep |= ~need_all[owner]
             ids = ids[keep]
         words = self._words
-        return frozenset(words[i] for i in np.unique(ids).tolist())
+        return frozenset(words[i] for i in distinct(ids).tolist())
 
     def memory_bytes(self) -> int:
         """Estimated bytes held by the index (numpy arrays + vocabulary)."""

@@ -22,6 +22,7 @@ from app.core.config import Settings
 from app.core.metrics import ROUTED_ROWS
 from app.core.pipelines import ClientPipelines, Pipelines, eval_script
 from app.core.redis import db_of
+from app.geo.arrays import distinct
 from app.geo.grid import Grid
 from app.geo.history import history_plan, sample_cells
 from app.geo.index import GlobalIndex, IntArray, Plan, initial_plan
@@ -530,7 +531,7 @@ class Router:
         lat = np.asarray(batch.lat, dtype=np.float64)
         part = index.partition_of_points(lon, lat)
         owner = index.part_worker[part]
-        for w in np.unique(owner):
+        for w in distinct(owner):
             rows_by_worker[int(w)] = np.flatnonzero(owner == w).tolist()
         if moving_rows:
             pl = [i for i in moving_rows if prev[i] is not None and not late[i]]
