@@ -16,6 +16,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from app.geo.arrays import members
 from app.geo.matcher import MatchResult
 from app.pipeline.wire import ObjectBatch
 from workers.subs import SubTable
@@ -75,9 +76,9 @@ def decide(t: SubTable, index: Matcher, batch: ObjectBatch, at: list[float]) -> 
     code_new = (o_new.astype(np.int64) << 32) | k_new.astype(np.int64)
     code_prev = (o_prev.astype(np.int64) << 32) | k_prev.astype(np.int64)
     if code_prev.size:
-        was_inside = np.isin(code_new, code_prev)
-        still_inside = np.isin(code_prev, code_new)
-    else:  # no previous positions (events, first records): isin would still sort code_new
+        was_inside = members(code_new, code_prev)
+        still_inside = members(code_prev, code_new)
+    else:  # no previous positions (events, first records): no search at all
         was_inside = np.zeros(code_new.size, dtype=bool)
         still_inside = np.zeros(0, dtype=bool)
 

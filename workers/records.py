@@ -758,7 +758,8 @@ class Stack:
                 if len(each) == len(ids):
                     held = each[0]
                     for more in each[1:]:
-                        held = np.intersect1d(held, more)
+                        # (a term's positions are distinct: each chunk's pairs are)
+                        held = np.intersect1d(held, more, assume_unique=True)
                     found.append(held)
             elif len(each) == 1:
                 found.append(each[0])
