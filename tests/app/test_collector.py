@@ -4,6 +4,7 @@ collects reference cycles among the frozen objects, and freezes again."""
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import time
 import weakref
@@ -12,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from app.core.collector import WORKER_YOUNG, Collector
+from app.core.collector import API_YOUNG, WORKER_YOUNG, Collector, collector_loop
 
 
 @pytest.fixture
@@ -49,9 +50,20 @@ def test_a_tick_freezes_what_is_alive_and_a_full_pass_collects_frozen_cycles(
     assert gc.get_freeze_count() > 0  # and freezes again
 
 
-def test_a_workers_youngest_generation_is_collected_less_often(thawed: None) -> None:
+def test_the_youngest_generation_is_collected_less_often(thawed: None) -> None:
+    """`Collector()` keeps Python's threshold; a worker's and an api process's loop
+    (`collector_loop`) collect the youngest generation every 20 000 allocations."""
     gc.set_threshold(700, 10, 10)
-    Collector()  # an api process's: Python's default
+    Collector()
     assert gc.get_threshold() == (700, 10, 10)
     Collector(young=WORKER_YOUNG)
     assert gc.get_threshold() == (WORKER_YOUNG, 10, 10)
+    gc.set_threshold(700, 10, 10)
+
+    async def api_process() -> None:
+        loop = asyncio.create_task(collector_loop())
+        await asyncio.sleep(0)  # (it makes its collector, then sleeps)
+        loop.cancel()
+
+    asyncio.run(api_process())
+    assert gc.get_threshold() == (API_YOUNG, 10, 10)
