@@ -251,11 +251,7 @@ class Chunk:
         ids, rows = self.occurrences(vocab)
         held = self._term_rows
         if held is None:
-            pairs = ids.astype(np.int64) << 32 | rows.astype(np.int64)
-            pairs.sort(kind="stable")  # (4x np.unique's time over a merged chunk's pairs)
-            distinct = np.ones(pairs.size, dtype=bool)
-            distinct[1:] = pairs[1:] != pairs[:-1]
-            pairs = pairs[distinct]
+            pairs = distinct(ids.astype(np.int64) << 32 | rows.astype(np.int64))
             held = self._term_rows = ((pairs >> 32).astype(np.int32),
                                       (pairs & 0xFFFFFFFF).astype(np.int32))
         return held
