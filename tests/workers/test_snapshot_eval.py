@@ -5,8 +5,10 @@ and the knn radius grow to the whole world."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
+import operator
 from collections import Counter
 from collections.abc import Iterator
 from typing import Any
@@ -208,6 +210,27 @@ def test_a_border_count_over_many_records_around_the_hole() -> None:
         as_of=NOW + 60, deadline=NOW + 60), "w0", grid).count  # (arrivals up to NOW + 9)
     assert whole > 0 and border > 0
     assert whole + border == want
+
+
+@settings(max_examples=300, deadline=None)
+@given(ids=st.lists(st.integers(0, 2**31 - 1), min_size=1, max_size=4, unique=True),
+       match_all=st.booleans(), unknown=st.booleans())
+def test_a_querys_signature_masks_are_its_terms_bits(ids: list[int], match_all: bool,
+                                                     unknown: bool) -> None:
+    """`Terms.of` (Python ints) gives the bits `term_bits` gives the rows' signatures (numpy):
+    each term's, or all of them or-ed with `match_all`; none when a term is unknown and all
+    must be held."""
+    vocab = records.Vocabulary(NOW)
+    vocab.ids = {f"t{i}": i for i in ids}
+    terms = [f"t{i}" for i in ids] + (["nobody"] if unknown else [])
+    got = records.Terms.of(terms, match_all, vocab)
+    bits = records.term_bits(ids).tolist()
+    if match_all and unknown:
+        assert got.masks == ()
+    elif match_all:
+        assert got.masks == (functools.reduce(operator.or_, bits),)
+    else:
+        assert got.masks == tuple(bits)
 
 
 @settings(max_examples=200, deadline=None)
