@@ -119,5 +119,16 @@ def run_on_cluster(tmp: Path, redis_url: str, workers: int,
     try:
         server.wait_workers(workers)
         asyncio.run(scenario(server))
+    except BaseException:
+        print_logs(server)
+        raise
     finally:
         server.stop()
+
+
+def print_logs(server: LiveServer, lines: int = 80) -> None:
+    """The end of each process's log, for a failed test's report (pytest shows what a failed
+    test printed; the logs go with its temporary directory)."""
+    for log in sorted(server.log_dir.glob("*.log")):
+        tail = log.read_text(errors="replace").splitlines()[-lines:]
+        print(f"--- {log.name} (last {len(tail)} lines)", *tail, sep="\n")
