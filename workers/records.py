@@ -92,6 +92,10 @@ class Vocabulary:
         return got
 
 
+# a term id's second bit in a signature: ((id * TERM_MUL) >> TERM_SHIFT) & 63
+TERM_MUL, TERM_SHIFT = 0x9E3779B1, 16
+
+
 def term_bits(ids: Any) -> U64:
     """The two bits of each term id in a keywords' signature (`Chunk.signature`): a row
     holds 2-6 of its 64 bits (most rows list three keywords or fewer), so a term it does not
@@ -99,8 +103,19 @@ def term_bits(ids: Any) -> U64:
     ids = np.asarray(ids, dtype=np.int64)
     one = np.uint64(1)
     bits: U64 = (np.left_shift(one, (ids & 63).astype(np.uint64))
-            | np.left_shift(one, ((ids * 0x9E3779B1 >> 16) & 63).astype(np.uint64)))
+            | np.left_shift(one, ((ids * TERM_MUL >> TERM_SHIFT) & 63).astype(np.uint64)))
     return bits
+
+
+def term_mask(term_id: int) -> int:
+    """`term_bits` of one id, in Python ints (a query has a term or two: numpy's calls on a
+    list that short cost 20 us, twice or more a query)."""
+    return 1 << (term_id & 63) | 1 << ((term_id * TERM_MUL >> TERM_SHIFT) & 63)
+
+
+def _pairs(keys: I64) -> tuple[I32, I32]:
+    """(term id, row) pairs packed as term << 32 | row, as two int32 arrays."""
+    return (keys >> 32).astype(np.int32), (keys & 0xFFFFFFFF).astype(np.int32)
 
 
 @dataclass(frozen=True)
@@ -118,9 +133,7 @@ class Terms:
         known = [i for i in ids if i is not None]
         if not known or (match_all and len(known) < len(ids)):
             return Terms((), match_all)
-        # (`term_bits` in Python ints: a query has a term or two, and numpy's calls on a
-        # list that short cost 20 us, twice or more a query)
-        bits = [1 << (i & 63) | 1 << ((i * 0x9E3779B1 >> 16) & 63) for i in known]
+        bits = [term_mask(i) for i in known]
         return Terms((functools.reduce(operator.or_, bits),) if match_all else tuple(bits),
                      match_all)
 
@@ -255,9 +268,8 @@ class Chunk:
         ids, rows = self.occurrences(vocab)
         held = self._term_rows
         if held is None:
-            pairs = distinct(ids.astype(np.int64) << 32 | rows.astype(np.int64))
-            held = self._term_rows = ((pairs >> 32).astype(np.int32),
-                                      (pairs & 0xFFFFFFFF).astype(np.int32))
+            held = self._term_rows = _pairs(distinct(ids.astype(np.int64) << 32
+                                                     | rows.astype(np.int64)))
         return held
 
     def rows_of_term(self, vocab: Vocabulary, term: str) -> I32 | None:
@@ -388,8 +400,7 @@ class Chunk:
                 keys = np.concatenate([p[0].astype(np.int64) << 32 | (p[1] + off) for p, off
                                        in zip(pairs, offsets.tolist(), strict=True) if p])
                 keys.sort(kind="stable")
-                merged._term_rows = ((keys >> 32).astype(np.int32),
-                                     (keys & 0xFFFFFFFF).astype(np.int32))
+                merged._term_rows = _pairs(keys)
         return merged
 
 
