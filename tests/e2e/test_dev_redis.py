@@ -1,5 +1,5 @@
 """`geoswarm dev` supervises its embedded Redis: SIGKILL the redis-server and dev starts it again
-on the same port and data dir, so it reloads its AOF (nothing acknowledged is lost) and the
+on the same port and data dir, so it reloads its AOF (with what it had written) and the
 system becomes ready again by itself; a restart that fails (the port taken) is retried."""
 
 from __future__ import annotations

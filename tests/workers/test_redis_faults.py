@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import os
 import random
 import signal
 import socket
@@ -19,6 +20,7 @@ from typing import Any
 
 import httpx
 import pytest
+import redis
 
 from app.core.config import Settings
 from app.core.redis import EmbeddedRedis, restart_embedded_redis, start_embedded_redis
@@ -79,11 +81,59 @@ async def publish_once_accepted(client: httpx.AsyncClient, key: str, oracle: Ora
 
 @pytest.fixture
 def own_redis(tmp_path: Path) -> Iterator[tuple[Settings, list[EmbeddedRedis]]]:
-    """A redis-server of this test only (AOF, appendfsync everysec), to kill and restart."""
-    settings = Settings(data_dir=tmp_path / "redis-data")
+    """A redis-server of this test only, to kill and restart. AOF with `appendfsync always`:
+    the setting under which a SIGKILLed Redis keeps every write it acknowledged. Under
+    `everysec` Redis holds the AOF in memory, for up to two seconds, while a background fsync
+    is slow (a busy disk): a kill then loses acknowledged writes (a 202'd batch never matched,
+    seen once in CI), which the scenarios here would rightly count as lost."""
+    settings = Settings(data_dir=tmp_path / "redis-data", redis_appendfsync="always")
     servers = [start_embedded_redis(settings)]
     yield settings, servers
     servers[-1].stop()
+
+
+def test_appendfsync_always_keeps_every_acknowledged_write_through_sigkill(
+        own_redis: tuple[Settings, list[EmbeddedRedis]]) -> None:
+    """What the fixture above rests on: writes acknowledged while another writer keeps the disk
+    busy with fsyncs (the case where `everysec` holds them in memory, and a kill then loses
+    them) all come back after a SIGKILL and a restart from the AOF."""
+    settings, servers = own_redis
+    busy = threading.Event()
+
+    def keep_disk_busy() -> None:
+        block = os.urandom(1 << 20)
+        with open(settings.data_dir / "busy", "wb") as f:
+            while not busy.is_set():
+                for _ in range(64):
+                    f.write(block)
+                os.fsync(f.fileno())
+                f.seek(0)
+
+    writer = threading.Thread(target=keep_disk_busy)
+    writer.start()
+    client = redis.Redis.from_url(servers[-1].url)
+    try:
+        deadline = time.monotonic() + 2
+        acknowledged = 0
+        while time.monotonic() < deadline:
+            acknowledged = int(client.incr("acknowledged"))
+            client.xadd("entries", {"n": acknowledged})
+            # the worst moment for a kill: acknowledged writes Redis has not yet written
+            if acknowledged % 20 == 0 and client.info("persistence")["aof_buffer_length"]:
+                break
+        servers[-1].process.send_signal(signal.SIGKILL)
+        servers[-1].process.wait()
+    finally:
+        busy.set()
+        writer.join()
+        client.close()
+    servers.append(restart_embedded_redis(settings, servers[-1]))
+    client = redis.Redis.from_url(servers[-1].url)
+    try:
+        assert int(client.get("acknowledged") or 0) == acknowledged
+        assert client.xlen("entries") == acknowledged
+    finally:
+        client.close()
 
 
 async def _redis_killed(server: LiveServer, settings: Settings,
