@@ -9,9 +9,12 @@ atomically into the global ordered list (one decision point, no lost update).
 
 from __future__ import annotations
 
+import functools
 import math
+from bisect import insort
 from collections.abc import Hashable
 from dataclasses import dataclass, field
+from operator import itemgetter
 from typing import Any
 
 import numpy as np
@@ -20,9 +23,10 @@ import numpy.typing as npt
 from app.geo.geometry import circle_bbox, haversine_m
 from app.geo.grid import Grid
 from app.pipeline.wire import ObjectBatch
-from workers.knn_index import Neighbor, PointIndex
+from workers.knn_index import Keywords, Neighbor, PointIndex
 from workers.window import LiveWindow, keyword_set
 
+_KEY = itemgetter(4)  # a Neighbor's key
 MOVING, EVENT = 0, 1  # the kinds of object a worker holds (their ids may coincide)
 REACH_GRID = Grid(nx=720, ny=360)  # half-degree cells: which lists an arrival can enter
 MAX_REACH_CELLS = 256  # a list reaching over more cells is registered in coarser cells
@@ -52,6 +56,11 @@ class KnnSub:
     sole: bool = False
     reported: tuple[Hashable, ...] | None = None
     keys: tuple[Hashable, ...] = ()  # of the members of `local`, in its order
+
+    @functools.cached_property
+    def wanted(self) -> Keywords | None:
+        """Its keyword predicate as a search takes it (None without keywords)."""
+        return Keywords(self.keywords, self.match_all) if self.keywords else None
 
     def accepts(self, kws: frozenset[str]) -> bool:
         if not self.keywords:
@@ -372,13 +381,12 @@ class KnnState:
 
     def _search(self, sub: KnnSub) -> list[Neighbor]:
         assert self.points is not None
-        return self.points.nearest(sub.lon, sub.lat, sub.k,
-                                   sub.accepts if sub.keywords else None, sub.radius)
+        return self.points.nearest(sub.lon, sub.lat, sub.k, sub.wanted, sub.radius)
 
     def _set_local(self, sub: KnnSub, new: list[Neighbor]) -> None:
         members, sid = self.members, sub.id
         before = sub.keys
-        after = tuple(n[4] for n in new)
+        after = tuple(map(_KEY, new))
         if after != before:  # a change moves one or two members: only they are touched
             for key in set(before).difference(after):
                 held = members.get(key)
@@ -482,14 +490,23 @@ class KnnState:
         """(subscription, member) -> the member's new distance (rounded to the millimetre)
         for the members still held, in one numpy call."""
         assert self.points is not None
-        rows = [(sid, key, sub.lon, sub.lat, held[1], held[2])
-                for sid, keys in left.items() if (sub := self.subs.get(sid)) is not None
-                for key in keys if (held := self.points.get(key)) is not None]
-        if not rows:
+        where, subs = self.points.where, self.subs
+        pairs: list[tuple[str, tuple[int, str]]] = []
+        coords: list[float] = []  # sub lon, sub lat, member lon, member lat of each pair
+        for sid, keys in left.items():
+            sub = subs.get(sid)
+            if sub is None:
+                continue
+            for key in keys:
+                held = where.get(key)
+                if held is not None:
+                    pairs.append((sid, key))
+                    coords += (sub.lon, sub.lat, held[1], held[2])
+        if not pairs:
             return {}
-        a = np.asarray([r[2:] for r in rows], dtype=np.float64)
+        a = np.asarray(coords, dtype=np.float64).reshape(-1, 4)
         d = haversine_m(a[:, 0], a[:, 1], a[:, 2], a[:, 3])
-        return {(r[0], r[1]): round(v, 3) for r, v in zip(rows, d.tolist(), strict=True)}
+        return {p: round(v, 3) for p, v in zip(pairs, d.tolist(), strict=True)}
 
     def _repair(self, sub: KnnSub, keys: set[tuple[int, str]],
                 dist: dict[tuple[str, tuple[int, str]], float]) -> list[Neighbor] | None:
@@ -497,9 +514,27 @@ class KnnState:
         certain: every object outside the list is farther than its k-th (ties by id), so
         members that moved no farther than the k-th are still the k nearest. None when a
         search is needed (a member left a full list, or moved beyond its k-th)."""
-        full = len(sub.local) >= sub.k
-        kth = sub.local[-1][:2] if sub.local else None
-        out = [n for n in sub.local if n[4] not in keys]
+        local = sub.local
+        full = len(local) >= sub.k
+        kth = local[-1][:2] if local else None
+        if len(keys) == 1 and full:  # the common case: one member moved, in a full list
+            (key,) = keys
+            assert self.points is not None
+            held = self.points.get(key)
+            if held is None or (sub.keywords and not sub.accepts(held[3])):
+                return None
+            moved = (dist[(sub.id, key)], key[1], held[1], held[2], key)
+            if moved[0] > sub.radius or (kth is not None and moved[:2] > kth):
+                return None
+            try:
+                i = sub.keys.index(key)
+            except ValueError:  # not listed: the general way below
+                pass
+            else:
+                out = local[:i] + local[i + 1:]
+                insort(out, moved)
+                return out
+        out = [n for n in local if n[4] not in keys]
         for key in keys:
             assert self.points is not None
             held = self.points.get(key)

@@ -8,9 +8,10 @@ the point, not the number of objects held.
 
 from __future__ import annotations
 
+import functools
 import math
 from bisect import bisect_right
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Hashable, Sequence
 from itertools import accumulate
 from typing import TypeVar
 
@@ -25,7 +26,6 @@ F64 = npt.NDArray[np.float64]
 # (distance in metres rounded to the millimetre, object id, lon, lat, the point's key): the
 # order of a kNN list, ties broken by id (the same rounding as the lists pushed to subscribers)
 Neighbor = tuple[float, str, float, float, Hashable]
-Accepts = Callable[[frozenset[str]], bool]
 K = TypeVar("K", bound=Hashable)
 # Slack of the lower bound: float rounding must never make it exceed the true distance.
 _SLACK_M = 1e-3
@@ -86,6 +86,53 @@ def _escape_m(g: Grid, lon: float, lat: float, xa: int, ya: int, xb: int, yb: in
     return max(0.0, EARTH_RADIUS_M * min(gaps) * (1.0 - 1e-9) - _SLACK_M)
 
 
+def term_mask(term: str) -> int:
+    """The two bits of a term in a keywords' signature (`signature`), from the term's hash."""
+    h = hash(term)
+    return 1 << (h & 63) | 1 << ((h >> 6) & 63)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def signature(kws: frozenset[str]) -> int:
+    """The 64-bit signature of a point's keywords: the bits of each of its terms. A point
+    holding a term has both of its bits; one without it has both only now and then, so a
+    search with keywords tests its predicate on a few more points than it accepts, not on
+    every point it meets."""
+    bits = 0
+    for term in kws:
+        bits |= term_mask(term)
+    return bits
+
+
+class Keywords:
+    """The keyword predicate of a search: any of the terms, or all of them."""
+
+    __slots__ = ("masks", "match_all", "terms", "whole")
+
+    def __init__(self, terms: frozenset[str], match_all: bool) -> None:
+        self.terms = terms
+        self.match_all = match_all
+        self.masks = [term_mask(t) for t in terms]
+        self.whole = functools.reduce(int.__or__, self.masks, 0)
+
+    def accepts(self, kws: frozenset[str]) -> bool:
+        return self.terms <= kws if self.match_all else not self.terms.isdisjoint(kws)
+
+    def could_accept(self, sigs: npt.NDArray[np.uint64]) -> npt.NDArray[np.bool_]:
+        """Which signatures may belong to points it accepts (every one that does, and now and
+        then one that does not; a free slot, signature 0, never)."""
+        ok: npt.NDArray[np.bool_]
+        if self.match_all or len(self.masks) == 1:
+            whole = np.uint64(self.whole)
+            ok = (sigs & whole) == whole
+            return ok
+        ok = np.zeros(len(sigs), dtype=bool)
+        for m in self.masks:
+            mask = np.uint64(m)
+            ok |= (sigs & mask) == mask
+        return ok
+
+
 def _slot_of(cells: list[_Cell], ends: list[int], j: int) -> tuple[_Cell, int]:
     """The cell and slot of position `j` of the cells' slots laid end to end (`ends`: the
     running totals of their sizes)."""
@@ -96,7 +143,7 @@ def _slot_of(cells: list[_Cell], ends: list[int], j: int) -> tuple[_Cell, int]:
 class _Cell:
     """The points of one cell: slots in growing arrays, freed slots reused (NaN while free)."""
 
-    __slots__ = ("free", "ids", "keys", "kws", "lat", "lon", "slot")
+    __slots__ = ("free", "ids", "keys", "kws", "lat", "lon", "sig", "slot")
 
     def __init__(self) -> None:
         self.ids: list[str] = []
@@ -104,6 +151,7 @@ class _Cell:
         self.kws: list[frozenset[str]] = []
         self.lon: F64 = np.full(4, np.nan)
         self.lat: F64 = np.full(4, np.nan)
+        self.sig: npt.NDArray[np.uint64] = np.zeros(4, dtype=np.uint64)  # `signature`s
         self.slot: dict[Hashable, int] = {}
         self.free: list[int] = []
 
@@ -119,15 +167,18 @@ class _Cell:
             if i == len(self.lon):
                 self.lon = np.concatenate([self.lon, np.full(i, np.nan)])
                 self.lat = np.concatenate([self.lat, np.full(i, np.nan)])
+                self.sig = np.concatenate([self.sig, np.zeros(i, dtype=np.uint64)])
             self.ids.append(oid)
             self.keys.append(key)
             self.kws.append(kws)
         self.lon[i], self.lat[i] = lon, lat
+        self.sig[i] = signature(kws)
         self.slot[key] = i
 
     def remove(self, key: Hashable) -> None:
         i = self.slot.pop(key)
         self.lon[i] = self.lat[i] = np.nan
+        self.sig[i] = 0
         self.kws[i] = NO_KEYWORDS
         self.free.append(i)
 
@@ -164,6 +215,8 @@ class PointIndex:
                 home = self.cells[cid]
                 i = home.slot[key]
                 home.lon[i], home.lat[i] = lon, lat
+                if kws is not home.kws[i]:
+                    home.sig[i] = signature(kws)
                 home.ids[i], home.kws[i] = oid, kws
                 self.where[key] = (cid, lon, lat, kws)
                 return True
@@ -224,14 +277,14 @@ class PointIndex:
             return occupied
         return self._occupied
 
-    def nearest(self, lon: float, lat: float, k: int, accepts: Accepts | None = None,
+    def nearest(self, lon: float, lat: float, k: int, wanted: Keywords | None = None,
                 within: float = math.inf) -> list[Neighbor]:
-        """The k points nearest to (lon, lat) that `accepts` takes (all without it) and lie
+        """The k points nearest to (lon, lat) that `wanted` accepts (all without it) and lie
         within `within` metres, ordered by (distance rounded to the millimetre, id)."""
         if k <= 0 or not self.where:
             return []
         for half in BLOCKS:
-            near = self._nearest_in_block(lon, lat, k, accepts, half, within)
+            near = self._nearest_in_block(lon, lat, k, wanted, half, within)
             if near is not None:
                 return near
         cid, x0, y0, x1, y1, cos_min = self._cells()
@@ -246,18 +299,18 @@ class PointIndex:
         m = min(FIRST_CELLS, len(bound))
         first = np.argpartition(bound, m - 1)[:m] if m < len(bound) else np.arange(m)
         first = first[np.argsort(bound[first], kind="stable")]
-        self._scan(lon, lat, k, accepts, cid, bound, first, best)
+        self._scan(lon, lat, k, wanted, cid, bound, first, best)
         if m < len(bound) and (len(best) < k or float(bound[first[-1]]) <= best[-1][0]
                                + _SLACK_M):
             rest = np.ones(len(bound), dtype=bool)
             rest[first] = False
             others = np.flatnonzero(rest)
             others = others[np.argsort(bound[others], kind="stable")]
-            self._scan(lon, lat, k, accepts, cid, bound, others, best)
+            self._scan(lon, lat, k, wanted, cid, bound, others, best)
         best.sort()
         return [n for n in best if n[0] <= within] if math.isfinite(within) else best
 
-    def _scan(self, lon: float, lat: float, k: int, accepts: Accepts | None,
+    def _scan(self, lon: float, lat: float, k: int, wanted: Keywords | None,
               cid: npt.NDArray[np.int64], bound: F64, order: npt.NDArray[np.intp],
               best: list[Neighbor]) -> None:
         """Visit cells in `order` (by bound), keeping the k best in `best`, until the next
@@ -269,8 +322,11 @@ class PointIndex:
             n = len(cell.ids)
             d = haversine_m(lon, lat, cell.lon[:n], cell.lat[:n])
             limit = best[-1][0] + _SLACK_M if len(best) >= k else math.inf
-            for i in np.flatnonzero(d <= limit).tolist():
-                if accepts is not None and not accepts(cell.kws[i]):
+            near = d <= limit
+            if wanted is not None:
+                near &= wanted.could_accept(cell.sig[:n])
+            for i in np.flatnonzero(near).tolist():
+                if wanted is not None and not wanted.accepts(cell.kws[i]):
                     continue
                 best.append((round(float(d[i]), 3), cell.ids[i], float(cell.lon[i]),
                              float(cell.lat[i]), cell.keys[i]))
@@ -280,7 +336,7 @@ class PointIndex:
             elif len(best) == k:
                 best.sort()
 
-    def _nearest_in_block(self, lon: float, lat: float, k: int, accepts: Accepts | None,
+    def _nearest_in_block(self, lon: float, lat: float, k: int, wanted: Keywords | None,
                           half: int, within: float) -> list[Neighbor] | None:
         """The answer from the block of (2 half + 1)² cells around the point, when nothing
         outside it can be in the answer: it holds k points nearer than anything outside the
@@ -308,33 +364,44 @@ class PointIndex:
         else:
             lons = np.concatenate([c.lon[:n] for c, n in zip(cells, sizes, strict=True)])
             lats = np.concatenate([c.lat[:n] for c, n in zip(cells, sizes, strict=True)])
-        d = haversine_m(lon, lat, lons, lats)
         # The candidates: the k nearest, and whatever is as near up to the rounding of
         # distances to the millimetre (ties are then broken by id).
-        if accepts is None:
+        if wanted is None:
+            d = haversine_m(lon, lat, lons, lats)
             if held > k:
                 kth = float(np.partition(d, k - 1)[k - 1])
-                cand = np.flatnonzero(d <= kth + _SLACK_M).tolist()
+                taken = np.flatnonzero(d <= kth + _SLACK_M)
             else:
-                cand = np.flatnonzero(d == d).tolist()
+                taken = np.flatnonzero(d == d)
+            cand: list[int] = taken.tolist()
+            near: list[float] = d[taken].tolist()
         else:
-            cand = []
+            # the points whose signatures could hold the terms (free slots' cannot), by
+            # distance; the predicate itself on them, until k are taken
+            sigs = (cells[0].sig[:sizes[0]] if len(cells) == 1 else
+                    np.concatenate([c.sig[:n] for c, n in zip(cells, sizes, strict=True)]))
+            could = np.flatnonzero(wanted.could_accept(sigs))
+            if could.size < k and not inside:
+                return None
+            dc = haversine_m(lon, lat, lons[could], lats[could])
+            order = np.argsort(dc, kind="stable")
+            cand, near = [], []
             bound = math.inf
-            valid = np.flatnonzero(d == d)
-            for j in valid[np.argsort(d[valid], kind="stable")].tolist():
-                if d[j] > bound:
+            for j, dj in zip(could[order].tolist(), dc[order].tolist(), strict=True):
+                if dj > bound:
                     break
                 cell, i = _slot_of(cells, ends, j)
-                if accepts(cell.kws[i]):
+                if wanted.accepts(cell.kws[i]):
                     cand.append(j)
+                    near.append(dj)
                     if len(cand) == k:
-                        bound = float(d[j]) + _SLACK_M
+                        bound = dj + _SLACK_M
             if len(cand) < k and not inside:
                 return None
         best: list[Neighbor] = []
-        for j in cand:
+        for j, dj in zip(cand, near, strict=True):
             cell, i = _slot_of(cells, ends, j)
-            best.append((round(float(d[j]), 3), cell.ids[i], float(lons[j]), float(lats[j]),
+            best.append((round(dj, 3), cell.ids[i], float(lons[j]), float(lats[j]),
                          cell.keys[i]))
         best.sort()
         del best[k:]

@@ -63,7 +63,7 @@ class KnnRegistry:
                 self.skipped += 1
                 continue
             sub.reported = members
-            local = orjson.dumps([[n[0], n[1], n[2], n[3], _kind(n[4])] for n in sub.local])
+            local = orjson.dumps([(d, oid, x, y, _kind(key)) for d, oid, x, y, key in sub.local])
             refresh = wire.encode_entry(wire.KnnRefresh(tenant=tenant, ids=[sub.id],
                                                         epoch=sub.epoch))
             at = -1 if direct else len(pipe.command_stack)

@@ -17,7 +17,7 @@ from app.geo.geometry import haversine_m
 from app.geo.grid import Grid
 from app.pipeline.wire import ObjectBatch
 from workers.knn import MOVING, KnnState, KnnSub, top_k
-from workers.knn_index import PointIndex, mindist_m
+from workers.knn_index import Keywords, PointIndex, mindist_m, signature
 
 lons = st.floats(-180, 180, allow_nan=False)
 lats = st.floats(-90, 90, allow_nan=False)
@@ -132,6 +132,9 @@ def assert_index_holds_the_window(state: KnnState) -> None:
     assert {k: cid for cid, c in points.cells.items() for k in c.slot} == {
         k: w[0] for k, w in points.where.items()}
     assert all(len(c) for c in points.cells.values())
+    for c in points.cells.values():  # each slot's keyword signature is its point's (0: free)
+        assert [int(x) for x in c.sig[:len(c.ids)]] == [
+            signature(c.kws[i]) if i not in c.free else 0 for i in range(len(c.ids))]
     assert {k[1] for k in points.where if k[0] == MOVING} == set(state.objects.moving)
 
 
@@ -157,6 +160,41 @@ def test_nearest_on_a_dense_index_equals_brute_force(grid: Grid) -> None:
                   for oid, (x, y) in pts.items())[:3]
     assert got == [oid for _, oid in want]
     assert math.isfinite(index.nearest(106.0, -40.0, 1)[0][0])
+
+
+@pytest.mark.parametrize("match_all", [False, True], ids=["any", "all"])
+def test_nearest_with_keywords_on_a_dense_index_equals_brute_force(match_all: bool) -> None:
+    """Keyword searches test signatures first (`Keywords.could_accept`): every point holding
+    the terms is still found, rare terms far away included, and none that lacks them."""
+    rng = np.random.default_rng(5)
+    vocab = [f"w{i}" for i in range(300)]
+    index = PointIndex(Grid())
+    pts = {}
+    for i in range(20_000):
+        x, y = float(rng.normal(2.35, 0.2)), float(rng.normal(48.85, 0.2))
+        kws = frozenset(str(w) for w in rng.choice(vocab, size=int(rng.integers(0, 4)),
+                                                   replace=False))
+        index.add(("m", str(i)), str(i), x, y, kws)
+        pts[str(i)] = (x, y, kws)
+    for i in range(0, 20_000, 3):  # some move, some leave: slots are reused
+        x, y, kws = pts[str(i)]
+        if i % 2:
+            index.remove(("m", str(i)))
+            del pts[str(i)]
+        else:
+            kws = frozenset({vocab[i % 7]})
+            index.add(("m", str(i)), str(i), x + 0.01, y, kws)
+            pts[str(i)] = (x + 0.01, y, kws)
+    for _ in range(40):
+        qx, qy = float(rng.normal(2.35, 0.3)), float(rng.normal(48.85, 0.3))
+        k = int(rng.integers(1, 30))
+        terms = frozenset(str(w) for w in rng.choice(vocab, size=int(rng.integers(1, 3)),
+                                                     replace=False))
+        wanted = Keywords(terms, match_all)
+        got = [n[1] for n in index.nearest(qx, qy, k, wanted)]
+        want = sorted((round(float(haversine_m(qx, qy, x, y)), 3), oid)
+                      for oid, (x, y, kws) in pts.items() if wanted.accepts(kws))[:k]
+        assert got == [oid for _, oid in want]
 
 
 def test_nearest_across_the_antimeridian() -> None:
