@@ -110,6 +110,8 @@ class Keywords:
     __slots__ = ("masks", "match_all", "terms", "whole")
 
     def __init__(self, terms: frozenset[str], match_all: bool) -> None:
+        if not terms:  # no predicate: a search without one (`wanted=None`)
+            raise ValueError("a keyword predicate needs at least one term")
         self.terms = terms
         self.match_all = match_all
         self.masks = [term_mask(t) for t in terms]
