@@ -49,6 +49,11 @@ class KnnSub:
     # Only objects within `radius` metres enter the local list: the radius the subscription
     # is registered with (`workers.knn_reg`), infinite when it is sent to every worker.
     radius: float = math.inf
+    # A full list's bound on the others: every object it accepts within its radius that is
+    # not listed lies at least this far (rounded to the millimetre, as listed distances);
+    # infinite when nothing else lies within the radius. A member that moves beyond the k-th
+    # but stays nearer than this is still among the k nearest: no search.
+    beyond: float = math.inf
     epoch: int = 0  # of the registration (a newer one replaces it)
     # The merge script's word at the last report: this worker was the only holder (then only
     # the changes `KnnRegistry` finds can change the merged list are reported), and the
@@ -149,8 +154,10 @@ class Reach:
     def update(self, sub: KnnSub) -> None:
         i = self._slot_of(sub)
         full = len(sub.local) >= sub.k
-        # a list holding fewer than k takes whatever comes within its radius
-        bound = sub.local[-1][0] if full else sub.radius
+        # a list holding fewer than k takes whatever comes within its radius; a full one is
+        # told of whatever comes nearer than its bound on the others (it may enter, or lower
+        # the bound)
+        bound = min(sub.beyond, sub.radius) if full else sub.radius
         self.kth[i] = bound
         need = bound + 0.01
         held = self.registered.get(i)
@@ -380,8 +387,11 @@ class KnnState:
         self._placed.clear()
 
     def _search(self, sub: KnnSub) -> list[Neighbor]:
+        """The k nearest, and the subscription's bound on the others from the next one."""
         assert self.points is not None
-        return self.points.nearest(sub.lon, sub.lat, sub.k, sub.wanted, sub.radius)
+        found = self.points.nearest(sub.lon, sub.lat, sub.k + 1, sub.wanted, sub.radius)
+        sub.beyond = found[sub.k][0] if len(found) > sub.k else math.inf
+        return found[:sub.k]
 
     def _set_local(self, sub: KnnSub, new: list[Neighbor]) -> None:
         members, sid = self.members, sub.id
@@ -445,8 +455,9 @@ class KnnState:
 
     def refresh(self) -> list[KnnSub]:
         """The subscriptions whose local top-k changed since the last refresh, with their new
-        lists: those that lost a member search again; the others take the newly placed objects
-        that are nearer than their k-th."""
+        lists: those that lost a member, or whose member moved out to their bound on the
+        others, search again; the others take the newly placed objects that are nearer than
+        their k-th, and lower that bound with those nearer than it."""
         moved, placed = self._moved, self._placed
         self._moved, self._placed = set(), set()
         if self.points is None or not self.subs or not (moved or placed):
@@ -467,6 +478,8 @@ class KnnState:
             if new is None:
                 again.add(sid)
                 new = self._search(sub)
+                if new == sub.local:  # the same list, with a new bound on the others
+                    self.reach.update(sub)
             if new != sub.local:
                 self._set_local(sub, new)
                 changed[sid] = sub
@@ -479,10 +492,15 @@ class KnnState:
                          and sub.id not in members.get(n[4], ())]
                 if not fresh:
                     continue
-                merged = sorted(sub.local + fresh)[:sub.k]
+                merged = sorted(sub.local + fresh)
+                if len(merged) > sub.k:  # those left out (listed before, or not) bound the rest
+                    sub.beyond = min(sub.beyond, merged[sub.k][0])
+                    del merged[sub.k:]
                 if merged != sub.local:
                     self._set_local(sub, merged)
                     changed[sub.id] = sub
+                else:  # the same list, told of what comes nearer than its new bound
+                    self.reach.update(sub)
         return list(changed.values())
 
     def _distances(self, left: dict[str, set[tuple[int, str]]]
@@ -511,12 +529,11 @@ class KnnState:
     def _repair(self, sub: KnnSub, keys: set[tuple[int, str]],
                 dist: dict[tuple[str, tuple[int, str]], float]) -> list[Neighbor] | None:
         """The list after some of its members moved or left, without a search when that is
-        certain: every object outside the list is farther than its k-th (ties by id), so
-        members that moved no farther than the k-th are still the k nearest. None when a
-        search is needed (a member left a full list, or moved beyond its k-th)."""
+        certain: every object it accepts outside the list lies at `beyond` or farther, so
+        members that moved no farther than that are still the k nearest. None when a search
+        is needed (a member left a full list, or moved out to `beyond` or farther)."""
         local = sub.local
         full = len(local) >= sub.k
-        kth = local[-1][:2] if local else None
         if len(keys) == 1 and full:  # the common case: one member moved, in a full list
             (key,) = keys
             assert self.points is not None
@@ -524,7 +541,7 @@ class KnnState:
             if held is None or (sub.keywords and not sub.accepts(held[3])):
                 return None
             moved = (dist[(sub.id, key)], key[1], held[1], held[2], key)
-            if moved[0] > sub.radius or (kth is not None and moved[:2] > kth):
+            if moved[0] > sub.radius or moved[0] >= sub.beyond:
                 return None
             try:
                 i = sub.keys.index(key)
@@ -546,7 +563,7 @@ class KnnState:
                 if full:
                     return None
                 continue  # fewer than k: every object it accepts within reach was listed
-            if full and kth is not None and n[:2] > kth:
+            if full and n[0] >= sub.beyond:
                 return None
             out.append(n)
         out.sort()

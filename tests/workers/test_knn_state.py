@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from app.geo.geometry import haversine_m
+from app.geo.geometry import EARTH_RADIUS_M, haversine_m
 from app.geo.grid import Grid
 from app.pipeline.wire import ObjectBatch
 from workers.knn import MOVING, KnnState, KnnSub, top_k
@@ -242,7 +242,8 @@ def test_lists_reaching_far_are_registered_in_coarser_cells() -> None:
     registered in coarser ones (or checked against every arrival beyond the coarsest), and
     arrivals still enter every list exactly."""
     state = KnnState(window_s=10.0, bucket_s=1.0, grid=Grid())
-    for i, (x, y) in enumerate([(0.0, 0.0), (10.0, 5.0), (-7.0, 2.0)]):
+    # (a full list is registered out to its (k+1)-th: "near" has its two nearest close by)
+    for i, (x, y) in enumerate([(0.0, 0.0), (10.0, 5.0), (-7.0, 2.0), (0.2, 0.15)]):
         state.upsert_moving(f"m{i}", x, y, frozenset(), 1.0)
     state.add(KnnSub("near", 0.1, 0.1, 1, frozenset(), False))  # 15 km
     state.add(KnnSub("mid", 10.0, 14.0, 1, frozenset(), False))  # 1 000 km
@@ -259,6 +260,56 @@ def test_lists_reaching_far_are_registered_in_coarser_cells() -> None:
         state.refresh()
         for sub in state.subs.values():
             assert [n[:4] for n in sub.local] == top_k(state.objects, sub), (step, sub.id)
+
+
+def _km(x: float) -> float:
+    """Degrees of longitude on the equator for x km."""
+    return x / (EARTH_RADIUS_M * math.pi / 180.0 / 1000.0)
+
+
+def _lists_exact(state: KnnState) -> None:
+    state.refresh()
+    for sub in state.subs.values():
+        assert [n[:4] for n in sub.local] == top_k(state.objects, sub), sub.id
+
+
+def test_an_arrival_that_does_not_enter_still_bounds_the_others() -> None:
+    """A full list knows how far the nearest object it does not list may be (its (k+1)-th
+    after a search). An arrival nearer than that which does not enter lowers it: a member
+    moving out past that arrival is replaced by it, not kept."""
+    state = KnnState(window_s=10.0, bucket_s=1.0, grid=Grid())
+    state.upsert_moving("a", _km(1), 0.0, frozenset(), 1.0)
+    state.upsert_moving("b", _km(3), 0.0, frozenset(), 1.0)
+    sub = state.add(KnnSub("s", 0.0, 0.0, 1, frozenset(), False))
+    assert [n[1] for n in sub.local] == ["a"] and sub.beyond == pytest.approx(3000, abs=1)
+    state.upsert_moving("c", _km(2), 0.0, frozenset(), 2.0)  # between the 1st and the 2nd
+    _lists_exact(state)
+    assert [n[1] for n in sub.local] == ["a"] and sub.beyond == pytest.approx(2000, abs=1)
+    state.upsert_moving("a", _km(2.5), 0.0, frozenset(), 3.0)  # beyond c, short of b
+    _lists_exact(state)
+    assert [n[1] for n in sub.local] == ["c"]
+
+
+def test_a_search_that_keeps_the_list_widens_what_it_is_told_of() -> None:
+    """A member that moves out to the bound searches again. When the search gives back the
+    very same list (here a tie: a and b equally far, a listed by id), only the bound grows,
+    and arrivals out to the new bound must then reach the list."""
+    state = KnnState(window_s=10.0, bucket_s=1.0, grid=Grid())
+    state.upsert_moving("a", _km(1), 0.0, frozenset(), 1.0)
+    state.upsert_moving("b", -_km(1), 0.0, frozenset(), 1.0)
+    sub = state.add(KnnSub("s", 0.0, 0.0, 1, frozenset(), False))
+    assert [n[1] for n in sub.local] == ["a"] and sub.beyond == sub.local[0][0]
+    state.upsert_moving("b", -_km(10), 0.0, frozenset(), 2.0)  # away: the bound stays 1 km
+    _lists_exact(state)
+    state.upsert_moving("a", _km(1), 0.0, frozenset(), 3.0)  # in place, at the bound
+    assert state.refresh() == []  # searched again: the same list
+    assert sub.beyond == pytest.approx(10_000, abs=1)
+    state.upsert_moving("c", _km(5), 0.0, frozenset(), 4.0)  # between a and b
+    _lists_exact(state)
+    assert sub.beyond == pytest.approx(5000, abs=1)
+    state.upsert_moving("a", _km(7), 0.0, frozenset(), 5.0)  # past c
+    _lists_exact(state)
+    assert [n[1] for n in sub.local] == ["c"]
 
 
 def test_the_exit_of_a_record_held_here_removes_nothing() -> None:
