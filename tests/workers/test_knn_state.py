@@ -7,6 +7,7 @@ exceeds a true distance."""
 from __future__ import annotations
 
 import math
+import random
 
 import numpy as np
 import pytest
@@ -310,6 +311,41 @@ def test_a_search_that_keeps_the_list_widens_what_it_is_told_of() -> None:
     state.upsert_moving("a", _km(7), 0.0, frozenset(), 5.0)  # past c
     _lists_exact(state)
     assert [n[1] for n in sub.local] == ["c"]
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_lists_stay_exact_through_a_dense_random_walk(seed: int) -> None:
+    """Many lists over few objects in 10 km, with radii, keywords (any and all) and objects
+    leaving: members cross their lists' k-th and bounds all the time, and every list equals
+    brute force after every refresh. (This catches a bound on the others that is not lowered
+    by an arrival within a few dozen steps; the hypothesis test above did not.)"""
+    rng = random.Random(seed)
+    state = KnnState(window_s=1e9, bucket_s=1.0, grid=Grid())
+    vocab = ["a", "b", "c"]
+    pos: dict[int, tuple[float, float]] = {}
+
+    def words() -> frozenset[str]:
+        return frozenset(rng.sample(vocab, rng.randint(0, 2)))
+
+    for i in range(60):
+        pos[i] = (_km(rng.uniform(0, 10)), _km(rng.uniform(0, 10)))
+        state.upsert_moving(f"o{i}", *pos[i], words(), 1.0)
+    for j in range(25):
+        state.add(KnnSub(f"s{j}", _km(rng.uniform(0, 10)), _km(rng.uniform(0, 10)),
+                         rng.randint(1, 5), words() if j % 3 == 0 else frozenset(),
+                         rng.random() < 0.5, radius=rng.choice([math.inf, 3000.0, 6000.0])))
+    ts = 2.0
+    for _ in range(1500):
+        for _ in range(rng.randint(1, 6)):
+            i = rng.randrange(60)
+            if rng.random() < 0.05:
+                state.remove_moving(f"o{i}", ts)
+            else:
+                x, y = pos[i]
+                pos[i] = (x + _km(rng.gauss(0, 0.7)), y + _km(rng.gauss(0, 0.7)))
+                state.upsert_moving(f"o{i}", *pos[i], words(), ts)
+            ts += 1.0
+        _lists_exact(state)
 
 
 def test_the_exit_of_a_record_held_here_removes_nothing() -> None:
