@@ -155,9 +155,12 @@ def _version(layout: Layout) -> int | None:
 
 def _file_gone(exc: BaseException) -> bool:
     """Whether Spark failed because a file it was to read no longer exists (classic Spark
-    and Spark Connect word it the same)."""
+    and Spark Connect word it the same): gone before the read started (FILE_NOT_EXIST), or
+    during it, a data file or its checksum file deleted under the reader (a
+    `java.nio.file.NoSuchFileException`, under FAILED_READ_FILE.NO_HINT)."""
     text = str(exc)
-    return "FILE_NOT_EXIST" in text or "FileNotFoundException" in text
+    return ("FILE_NOT_EXIST" in text or "FileNotFoundException" in text
+            or "NoSuchFileException" in text)
 
 
 class QueryRunner:

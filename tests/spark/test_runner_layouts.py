@@ -53,6 +53,21 @@ def test_a_query_on_a_replaced_layout_runs_again_on_the_new_one(
     assert reply.error is None and seen == [2, 3]
 
 
+# seen in a CI run: the checksum file of a data file deleted while Spark was reading it
+GONE_MID_READ = (
+    "SparkException: [FAILED_READ_FILE.NO_HINT] Encountered error while reading file "
+    "file:///archive/compact/arch/v3/data/part=0/part-00000.snappy.parquet.  SQLSTATE: "
+    "KD001 ... Caused by: java.nio.file.NoSuchFileException: /archive/compact/arch/v3/data/"
+    "part=0/.part-00000.snappy.parquet.crc")
+
+
+def test_a_file_deleted_while_it_was_read_runs_the_query_again_on_the_new_layout(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    a, seen = archive(monkeypatch, [3, 4], {3: GONE_MID_READ})
+    reply, _ = a.answer(PART)  # type: ignore[arg-type]
+    assert reply.error is None and seen == [3, 4]
+
+
 def test_a_file_gone_from_the_current_layout_fails_the_query(
         monkeypatch: pytest.MonkeyPatch) -> None:
     a, seen = archive(monkeypatch, [2, 2], {2: GONE})
