@@ -43,8 +43,14 @@ class ConnectServer:
     `spark-submit`, on a free loopback port."""
 
     def __init__(self, work: Path) -> None:
-        home = Path(pyspark.__file__).parent
         self.work = work
+        self.starts = 0
+        self._start()
+
+    def _start(self) -> None:
+        home = Path(pyspark.__file__).parent
+        work = self.work
+        self.starts += 1
         self.port = free_port()
         self.url = f"sc://127.0.0.1:{self.port}"
         self._log = open(work / "connect.log", "wb")  # noqa: SIM115 - closed by stop()
@@ -65,17 +71,27 @@ class ConnectServer:
         return (self.work / "connect.log").read_text()[-3000:]
 
     def wait_ready(self, timeout: float = 120) -> str:
-        """Until the server accepts connections; its URL."""
+        """Until the server says it started on its port and accepts connections; its URL.
+        The port was free when it was chosen, but another process may take it before the
+        server binds it (the server then logs the failure and stays up, serving nothing, while
+        the port answers for the other process): it is started again on another port."""
         deadline = time.monotonic() + timeout
         while True:
             assert self.proc.poll() is None, self.log()
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
-                return self.url
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(self.log()) from None
-                time.sleep(0.3)
+            text = (self.work / "connect.log").read_text(errors="replace")
+            if "Error starting Spark Connect server" in text and self.starts < 3:
+                self.stop()
+                self._start()
+                continue
+            if f"Spark Connect server started at: 127.0.0.1:{self.port}" in text:
+                try:
+                    socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+                    return self.url
+                except OSError:
+                    pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(self.log())
+            time.sleep(0.3)
 
     def stop(self) -> None:
         self.proc.terminate()

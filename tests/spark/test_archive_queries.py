@@ -49,12 +49,13 @@ def archived(tmp_path_factory: pytest.TempPathFactory, embedded_redis: Any,  # t
                           GEOSWARM_QUERY_TIMEOUT_S=str(SLOW_QUERY_S))
     try:
         server.wait_workers(2)
-        runners = {"r0": {}, "r1": {"GEOSWARM_SPARK_REMOTE": connect_server.url}}
+        runners: dict[str, dict[str, str]] = {"r0": {}, "r1": {}}
         key = server.new_key("arch")
         archived = Archived(server, key, Oracle(), runners)
         archived.spawn_runner("r0")
         publish(server, key, archived.oracle, random.Random(5), 40, 0)
-        connect_server.wait_ready()
+        # its URL once it is up: a start that lost its port to another process starts again
+        runners["r1"]["GEOSWARM_SPARK_REMOTE"] = connect_server.wait_ready()
         archived.spawn_runner("r1")
         wait_archived(server, 2)
         for name in runners:
