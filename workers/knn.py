@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import math
-from bisect import insort
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 from operator import itemgetter
@@ -68,11 +67,8 @@ class KnnSub:
         return Keywords(self.keywords, self.match_all) if self.keywords else None
 
     def accepts(self, kws: frozenset[str]) -> bool:
-        if not self.keywords:
-            return True
-        if self.match_all:
-            return self.keywords <= kws
-        return not self.keywords.isdisjoint(kws)
+        wanted = self.wanted
+        return wanted is None or wanted.accepts(kws)
 
 
 def knn_sub(sub_id: str, spec: dict[str, Any], radius: float | None = None,
@@ -532,40 +528,21 @@ class KnnState:
         certain: every object it accepts outside the list lies at `beyond` or farther, so
         members that moved no farther than that are still the k nearest. None when a search
         is needed (a member left a full list, or moved out to `beyond` or farther)."""
-        local = sub.local
-        full = len(local) >= sub.k
-        if len(keys) == 1 and full:  # the common case: one member moved, in a full list
-            (key,) = keys
-            assert self.points is not None
-            held = self.points.get(key)
-            if held is None or (sub.keywords and not sub.accepts(held[3])):
-                return None
-            moved = (dist[(sub.id, key)], key[1], held[1], held[2], key)
-            if moved[0] > sub.radius or moved[0] >= sub.beyond:
-                return None
-            try:
-                i = sub.keys.index(key)
-            except ValueError:  # not listed: the general way below
-                pass
-            else:
-                out = local[:i] + local[i + 1:]
-                insort(out, moved)
-                return out
-        out = [n for n in local if n[4] not in keys]
+        full = len(sub.local) >= sub.k
+        moved: list[Neighbor] = []
         for key in keys:
             assert self.points is not None
             held = self.points.get(key)
-            n = None
-            if held is not None and (not sub.keywords or sub.accepts(held[3])):
-                _, x, y, _kws = held
-                n = (dist[(sub.id, key)], key[1], x, y, key)
-            if n is None or n[0] > sub.radius:
+            d = dist[(sub.id, key)] if held is not None else math.inf
+            if held is None or (sub.keywords and not sub.accepts(held[3])) or d > sub.radius:
                 if full:
                     return None
                 continue  # fewer than k: every object it accepts within reach was listed
-            if full and n[0] >= sub.beyond:
+            if full and d >= sub.beyond:
                 return None
-            out.append(n)
+            moved.append((d, key[1], held[1], held[2], key))
+        out = [n for n in sub.local if n[4] not in keys]
+        out += moved
         out.sort()
         return out
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 from bisect import bisect_right
 from collections.abc import Hashable, Sequence
 from itertools import accumulate
@@ -20,6 +21,7 @@ import numpy.typing as npt
 
 from app.geo.geometry import EARTH_RADIUS_M, haversine_m
 from app.geo.grid import Grid
+from workers.records import Terms, term_mask
 from workers.window import NO_KEYWORDS
 
 F64 = npt.NDArray[np.float64]
@@ -86,53 +88,35 @@ def _escape_m(g: Grid, lon: float, lat: float, xa: int, ya: int, xb: int, yb: in
     return max(0.0, EARTH_RADIUS_M * min(gaps) * (1.0 - 1e-9) - _SLACK_M)
 
 
-def term_mask(term: str) -> int:
-    """The two bits of a term in a keywords' signature (`signature`), from the term's hash."""
-    h = hash(term)
-    return 1 << (h & 63) | 1 << ((h >> 6) & 63)
-
-
 @functools.lru_cache(maxsize=1 << 16)
 def signature(kws: frozenset[str]) -> int:
-    """The 64-bit signature of a point's keywords: the bits of each of its terms. A point
-    holding a term has both of its bits; one without it has both only now and then, so a
-    search with keywords tests its predicate on a few more points than it accepts, not on
-    every point it meets."""
+    """The 64-bit signature of a point's keywords: the two bits (`term_mask`) of each term's
+    hash. A point holding a term has both of its bits; one without it has both only now and
+    then, so a search with keywords tests its predicate on a few more points than it
+    accepts, not on every point it meets."""
     bits = 0
     for term in kws:
-        bits |= term_mask(term)
+        bits |= term_mask(hash(term))
     return bits
 
 
 class Keywords:
-    """The keyword predicate of a search: any of the terms, or all of them."""
+    """The keyword predicate of a search: any of the terms, or all of them; `signatures` the
+    same as a test of `signature`s (`Terms` over the terms' hashes)."""
 
-    __slots__ = ("masks", "match_all", "terms", "whole")
+    __slots__ = ("match_all", "signatures", "terms")
 
     def __init__(self, terms: frozenset[str], match_all: bool) -> None:
         if not terms:  # no predicate: a search without one (`wanted=None`)
             raise ValueError("a keyword predicate needs at least one term")
         self.terms = terms
         self.match_all = match_all
-        self.masks = [term_mask(t) for t in terms]
-        self.whole = functools.reduce(int.__or__, self.masks, 0)
+        masks = [term_mask(hash(t)) for t in terms]
+        self.signatures = Terms(
+            (functools.reduce(operator.or_, masks),) if match_all else tuple(masks), match_all)
 
     def accepts(self, kws: frozenset[str]) -> bool:
         return self.terms <= kws if self.match_all else not self.terms.isdisjoint(kws)
-
-    def could_accept(self, sigs: npt.NDArray[np.uint64]) -> npt.NDArray[np.bool_]:
-        """Which signatures may belong to points it accepts (every one that does, and now and
-        then one that does not; a free slot, signature 0, never)."""
-        ok: npt.NDArray[np.bool_]
-        if self.match_all or len(self.masks) == 1:
-            whole = np.uint64(self.whole)
-            ok = (sigs & whole) == whole
-            return ok
-        ok = np.zeros(len(sigs), dtype=bool)
-        for m in self.masks:
-            mask = np.uint64(m)
-            ok |= (sigs & mask) == mask
-        return ok
 
 
 def _slot_of(cells: list[_Cell], ends: list[int], j: int) -> tuple[_Cell, int]:
@@ -326,7 +310,7 @@ class PointIndex:
             limit = best[-1][0] + _SLACK_M if len(best) >= k else math.inf
             near = d <= limit
             if wanted is not None:
-                near &= wanted.could_accept(cell.sig[:n])
+                near &= wanted.signatures.may_hold(cell.sig[:n])
             for i in np.flatnonzero(near).tolist():
                 if wanted is not None and not wanted.accepts(cell.kws[i]):
                     continue
@@ -382,7 +366,7 @@ class PointIndex:
             # distance; the predicate itself on them, until k are taken
             sigs = (cells[0].sig[:sizes[0]] if len(cells) == 1 else
                     np.concatenate([c.sig[:n] for c, n in zip(cells, sizes, strict=True)]))
-            could = np.flatnonzero(wanted.could_accept(sigs))
+            could = np.flatnonzero(wanted.signatures.may_hold(sigs))
             if could.size < k and not inside:
                 return None
             dc = haversine_m(lon, lat, lons[could], lats[could])

@@ -165,7 +165,7 @@ def test_nearest_on_a_dense_index_equals_brute_force(grid: Grid) -> None:
 
 @pytest.mark.parametrize("match_all", [False, True], ids=["any", "all"])
 def test_nearest_with_keywords_on_a_dense_index_equals_brute_force(match_all: bool) -> None:
-    """Keyword searches test signatures first (`Keywords.could_accept`): every point holding
+    """Keyword searches test signatures first (`Keywords.signatures`): every point holding
     the terms is still found, rare terms far away included, and none that lacks them."""
     rng = np.random.default_rng(5)
     vocab = [f"w{i}" for i in range(300)]
