@@ -48,9 +48,6 @@ INDEXED_ROWS = 4096
 # test of this many rows: a tall region is read by its cell runs while they need fewer
 # searches than the test of every row would cost.
 ROWS_PER_SEARCH = 30
-# rows of the stack whose signatures tell about which share of the rows hold a query's
-# keywords (`TenantRecords.keyword_share`)
-SHARE_SAMPLE = 4096
 # The stack's chunks past its cell-major index are searched one by one: they are brought into
 # it once this many are of buckets older than the newest (whose chunks still merge as added).
 INDEX_AFTER = 4
@@ -909,11 +906,8 @@ class TenantRecords:
             flat = Flat.of_rows(chunks, [(i, self._rows_of(c, region, terms))
                                          for i, c in enumerate(chunks) if c.first_at <= as_of])
         else:
-            stack = self._stacked_chunks(in_query=True)
-            at = self._positions(stack, region, keywords)
-            chunks = cast(list[Chunk], stack.chunks)  # (no row of a dropped one is read)
-            flat = Flat(chunks, stack.keys[at] >> CELL_BITS, stack.rows[at], stack.lon[at],
-                        stack.lat[at], stack.ts[at], stack.at[at], at)
+            return self.read_at(self._positions(self._stacked_chunks(in_query=True), region,
+                                                keywords), as_of)
         if flat.at.size and float(flat.at.max()) > as_of:
             flat = flat.take(flat.at <= as_of)
         return flat
@@ -968,22 +962,27 @@ class TenantRecords:
                 stack.index_terms(upto, self.vocab)
         return stack
 
-    def keyword_share(self, terms: frozenset[str], match_all: bool) -> float:
-        """About which share of the rows hold the keywords (every one of them with
-        `match_all`, else any): the share of SHARE_SAMPLE rows spread over the stack whose
-        keywords' signature may hold them (an upper bound, give or take the sample: a
-        signature holds a few rows more), and less than one row of the sample when none
-        does. 1.0 without a stack (a view of `after`) or rows."""
+    def keyword_positions(self, terms: frozenset[str], match_all: bool) -> Positions | None:
+        """The positions in the stack of the rows left in the window that hold the keywords
+        (every one of them with `match_all`, else any: `Stack.positions_with`, exact), for
+        `read_at`; None for a view of `after` (it has no stack) or without terms."""
         if self.floor != NO_CUT or not terms:
-            return 1.0
+            return None
+        self.keywords_asked = True  # (the stack's keywords' index is kept from now on)
         stack = self._stacked_chunks(in_query=True)
-        sig = stack.signatures(self.vocab)  # (first: the vocabulary then knows the terms)
-        a, b = stack.live_from, stack.used
-        if b <= a:
-            return 1.0
-        sample = sig[a:b:max(1, (b - a) // SHARE_SAMPLE)]
-        held = int(np.count_nonzero(Terms.of(terms, match_all, self.vocab).may_hold(sample)))
-        return max(held, 0.5) / sample.size
+        return stack.live(stack.positions_with(terms, match_all, self.vocab))
+
+    def read_at(self, at: Positions, as_of: float) -> Flat:
+        """The rows at these positions of the stack (`keyword_positions`, `_positions`) that
+        arrived by `as_of`."""
+        stack = self._stack  # (brought up to date by what found the positions)
+        assert stack is not None
+        chunks = cast(list[Chunk], stack.chunks)  # (no row of a dropped one is read)
+        flat = Flat(chunks, stack.keys[at] >> CELL_BITS, stack.rows[at], stack.lon[at],
+                    stack.lat[at], stack.ts[at], stack.at[at], at)
+        if flat.at.size and float(flat.at.max()) > as_of:
+            flat = flat.take(flat.at <= as_of)
+        return flat
 
     def index_chunks(self) -> None:
         """Bring the chunks of older buckets into the stack's indexes (once INDEX_AFTER are

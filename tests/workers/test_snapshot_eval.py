@@ -5,6 +5,7 @@ and the knn radius grow to the whole world."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import math
@@ -113,16 +114,20 @@ def test_bbox_and_circle_find_what_brute_force_finds(rows: list[Any], data: Any)
 @settings(max_examples=200, deadline=None)
 @given(rows=st.lists(record_st, max_size=40), px=coord_lon, py=coord_lat,
        k=st.integers(1, 6), kw=st.sampled_from([[], ["a"], ["a", "b"]]),
-       match_all=st.booleans(), grid=knn_grid)
+       match_all=st.booleans(), grid=knn_grid, at_once=st.booleans())
 def test_knn_finds_the_nearest_anywhere(rows: list[Any], px: float, py: float, k: int,
-                                        kw: list[str], match_all: bool, grid: Grid | None
-                                        ) -> None:
+                                        kw: list[str], match_all: bool, grid: Grid | None,
+                                        at_once: bool) -> None:
+    """With keywords both ways: the rows that hold them read at once, or by rounds from a
+    first radius at their density (`snapshot.KEYWORD_ROWS_AT_ONCE` 0: never at once but
+    when none does)."""
     w = window_of(rows, grid)
-    reply = ask(w, wire.SnapshotQuery(type="knn", point=(px, py), k=k, keywords=kw,
-                                      match_all=match_all), limit=k)
+    with keyword_rows_at_once(1.0 if at_once else 0.0):
+        reply = ask(w, wire.SnapshotQuery(type="knn", point=(px, py), k=k, keywords=kw,
+                                          match_all=match_all), limit=k)
 
     def ok(kws: set[str]) -> bool:
-        return not kw or (set(kw) <= kws if match_all else bool(set(kw) & kws))
+        return holds(kw, match_all, kws)
 
     ranked = sorted((haversine_m(px, py, x, y), f"o{i}") for i, (x, y, kws) in enumerate(rows)
                     if ok(kws))
@@ -167,19 +172,36 @@ def test_whole_cells_from_counts_plus_the_border_is_the_count(rows: list[Any], d
     assert whole + border == want
 
 
+@contextlib.contextmanager
+def keyword_rows_at_once(factor: float) -> Iterator[None]:
+    saved = snapshot.KEYWORD_ROWS_AT_ONCE
+    snapshot.KEYWORD_ROWS_AT_ONCE = factor
+    try:
+        yield
+    finally:
+        snapshot.KEYWORD_ROWS_AT_ONCE = saved
+
+
+def holds(kw: list[str], match_all: bool, kws: set[str]) -> bool:
+    return not kw or (set(kw) <= kws if match_all else bool(set(kw) & kws))
+
+
 @settings(max_examples=150, deadline=None)
 @given(rows=st.lists(record_st, max_size=40), px=coord_lon, py=coord_lat,
-       k=st.integers(1, 6), cap=st.floats(0, 3_000_000, allow_nan=False), grid=knn_grid)
-def test_knn_within_a_distance_finds_the_nearest_within_it(rows: list[Any], px: float,
-                                                            py: float, k: int,
-                                                            cap: float, grid: Grid | None
-                                                            ) -> None:
-    """The second step of a knn: only records within `max_distance_m`, the nearest first."""
+       k=st.integers(1, 6), cap=st.floats(0, 3_000_000, allow_nan=False), grid=knn_grid,
+       kw=st.sampled_from([[], ["a"], ["a", "b"]]), match_all=st.booleans(),
+       at_once=st.booleans())
+def test_knn_within_a_distance_finds_the_nearest_within_it(
+        rows: list[Any], px: float, py: float, k: int, cap: float, grid: Grid | None,
+        kw: list[str], match_all: bool, at_once: bool) -> None:
+    """The second step of a knn: only records within `max_distance_m`, the nearest first;
+    with keywords, both ways (`test_knn_finds_the_nearest_anywhere`)."""
     w = window_of(rows, grid)
-    reply = ask(w, wire.SnapshotQuery(type="knn", point=(px, py), k=k, max_distance_m=cap),
-                limit=k)
-    ranked = sorted((haversine_m(px, py, x, y), f"o{i}") for i, (x, y, _) in enumerate(rows)
-                    if haversine_m(px, py, x, y) <= cap)
+    with keyword_rows_at_once(1.0 if at_once else 0.0):
+        reply = ask(w, wire.SnapshotQuery(type="knn", point=(px, py), k=k, max_distance_m=cap,
+                                          keywords=kw, match_all=match_all), limit=k)
+    ranked = sorted((haversine_m(px, py, x, y), f"o{i}") for i, (x, y, kws) in enumerate(rows)
+                    if haversine_m(px, py, x, y) <= cap and holds(kw, match_all, kws))
     assert [(r.id, r.distance_m) for r in reply.records] == [(i, d) for d, i in ranked[:k]]
     assert reply.truncated == (len(ranked) > k)
 
@@ -704,13 +726,13 @@ def test_knn_first_radius_reads_the_newest_buckets_scaled_to_the_window() -> Non
 
 
 @pytest.mark.parametrize("n", [3_000, 40_000])
-def test_the_share_of_rows_holding_keywords_is_told_from_a_sample_of_signatures(n: int
-                                                                                ) -> None:
-    """`TenantRecords.keyword_share`, which scales a knn's first radius by how rare its
-    keywords are: every row's signature read when there are fewer than the sample (never
-    below the true share then), a sample of them past that (about the true share); below
-    one row of the sample for a keyword nobody has, and only those of the rows left in the
-    window."""
+def test_the_rows_holding_keywords_are_found_exactly_as_the_window_changes(n: int) -> None:
+    """`TenantRecords.keyword_positions`, which a knn with keywords reads at once when they
+    are few, and whose number scales its first radius otherwise: exactly the rows that hold
+    every one of the terms, or any, in the keywords' index and in the chunks after it; none
+    for a keyword nobody has, and only the rows left in the window after a bucket left it
+    (the stack keeps theirs, dropped, while fewer than those left). None for a view of
+    `after` (no stack) or without terms."""
     rng = np.random.default_rng(4)
     w = RecordWindow(3600, 60)
     vocabulary = [f"w{i}" for i in range(200)]
@@ -730,23 +752,31 @@ def test_the_share_of_rows_holding_keywords_is_told_from_a_sample_of_signatures(
             ts=[NOW] * m, keywords=part, text=[None] * m, props=[None] * m, prev=[None] * m,
             late=[False] * m, exit_only=[False] * m, decide_exit=[False] * m), first + b)
     t = w.tenants["t"]
-    assert t.keyword_share(frozenset({"w0"}), False) == 1.0
-    assert t.keyword_share(frozenset(), False) == 1.0
-    sample = min(n, records.SHARE_SAMPLE)
-    for terms, match_all, true in [({"w1"}, False, 0.1), ({"w2"}, False, 0.01),
-                                   ({"w1", "w2"}, False, 0.1), ({"w1", "w2"}, True, 0.01),
-                                   ({"w9"}, False, 0.25)]:
-        share = t.keyword_share(frozenset(terms), match_all)
-        low = true if n <= sample else true * 0.7
-        assert low <= share < true + 0.05, (terms, match_all, share)
-    assert t.keyword_share(frozenset({"nobody"}), False) < 1 / sample
-    assert t.keyword_share(frozenset({"w1", "nobody"}), True) < 1 / sample
-    # the first bucket leaves the window: its rows are left out of the sample (the stack
-    # keeps them, dropped, while fewer than those left)
+
+    def found(terms: set[str], match_all: bool) -> list[str]:
+        at = t.keyword_positions(frozenset(terms), match_all)
+        assert at is not None
+        flat = t.read_at(at, math.inf)
+        return sorted(snapshot._ids(flat, np.arange(len(flat))))
+
+    def want(terms: set[str], match_all: bool, since: int = 0) -> list[str]:
+        return sorted(f"o{i}" for i, row in enumerate(kws)
+                      if i >= since and holds(sorted(terms), match_all, set(row)))
+
+    cases = [({"w0"}, False), ({"w1"}, False), ({"w2"}, False), ({"w1", "w2"}, False),
+             ({"w1", "w2"}, True), ({"w9"}, False), ({"w9", "w2"}, True), ({"nobody"}, False),
+             ({"w1", "nobody"}, True), ({"w1", "nobody"}, False)]
+    for terms, match_all in cases:
+        assert found(terms, match_all) == want(terms, match_all), (terms, match_all)
+    assert t.keyword_positions(frozenset(), False) is None
+    assert t.after(first).keyword_positions(frozenset({"w1"}), False) is None
+    # the first bucket leaves the window: its rows are left out
     stack = t._stack
     t.expire(first + 1, first)
     assert t._stack is stack and stack.live_from > 0
-    assert t.keyword_share(frozenset({"w9"}), False) < 0.05  # (a signature's few more)
+    assert found({"w9"}, False) == []
+    for terms, match_all in cases:
+        assert found(terms, match_all) == want(terms, match_all, n // 4), (terms, match_all)
 
 
 @settings(max_examples=300, deadline=None)
