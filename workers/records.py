@@ -972,6 +972,17 @@ class TenantRecords:
         stack = self._stacked_chunks(in_query=True)
         return stack.live(stack.positions_with(terms, match_all, self.vocab))
 
+    def arrived_by(self, at: Positions, as_of: float) -> Positions:
+        """These positions of the stack less those of rows that arrived after `as_of`."""
+        assert self._stack is not None  # (brought up to date by what found the positions)
+        arrived = self._stack.at[at]
+        return at if not arrived.size or float(arrived.max()) <= as_of else at[arrived <= as_of]
+
+    def points_at(self, at: Positions) -> tuple[F64, F64]:
+        """The (lon, lat) of the rows at these positions of the stack."""
+        assert self._stack is not None
+        return self._stack.lon[at], self._stack.lat[at]
+
     def read_at(self, at: Positions, as_of: float) -> Flat:
         """The rows at these positions of the stack (`keyword_positions`, `_positions`) that
         arrived by `as_of`."""

@@ -190,16 +190,19 @@ def holds(kw: list[str], match_all: bool, kws: set[str]) -> bool:
 @given(rows=st.lists(record_st, max_size=40), px=coord_lon, py=coord_lat,
        k=st.integers(1, 6), cap=st.floats(0, 3_000_000, allow_nan=False), grid=knn_grid,
        kw=st.sampled_from([[], ["a"], ["a", "b"]]), match_all=st.booleans(),
-       at_once=st.booleans())
+       at_once=st.booleans(), latest=st.booleans())
 def test_knn_within_a_distance_finds_the_nearest_within_it(
         rows: list[Any], px: float, py: float, k: int, cap: float, grid: Grid | None,
-        kw: list[str], match_all: bool, at_once: bool) -> None:
+        kw: list[str], match_all: bool, at_once: bool, latest: bool) -> None:
     """The second step of a knn: only records within `max_distance_m`, the nearest first;
-    with keywords, both ways (`test_knn_finds_the_nearest_anywhere`)."""
+    with keywords, both ways (`test_knn_finds_the_nearest_anywhere`), and with `latest`
+    (which takes the rows that hold the keywords whole first: here, of events, it leaves
+    every one)."""
     w = window_of(rows, grid)
     with keyword_rows_at_once(1.0 if at_once else 0.0):
         reply = ask(w, wire.SnapshotQuery(type="knn", point=(px, py), k=k, max_distance_m=cap,
-                                          keywords=kw, match_all=match_all), limit=k)
+                                          keywords=kw, match_all=match_all, latest=latest),
+                    limit=k)
     ranked = sorted((haversine_m(px, py, x, y), f"o{i}") for i, (x, y, kws) in enumerate(rows)
                     if haversine_m(px, py, x, y) <= cap and holds(kw, match_all, kws))
     assert [(r.id, r.distance_m) for r in reply.records] == [(i, d) for d, i in ranked[:k]]
