@@ -66,12 +66,16 @@ class KnnRegistry:
             local = orjson.dumps([(d, oid, x, y, _kind(key)) for d, oid, x, y, key in sub.local])
             refresh = wire.encode_entry(wire.KnnRefresh(tenant=tenant, ids=[sub.id],
                                                         epoch=sub.epoch))
+            # held alone at the last report (as most are): the merged list is ours, as we
+            # render it, if it still is
+            whole = (knnreg.sole_rendering(sub.local, sub.k) if sub.sole
+                     else knnreg.NO_SOLE_RENDERING)
             at = -1 if direct else len(pipe.command_stack)
             out = run_script(pipe, self._merge,
                              [names.knn_key(sub.id), names.history_key(sub.id),
                               names.history_last_key(sub.id), *self._outbox(sub.id)],
                              [ex.id, sub.epoch, local, sub.k, max_len, ttl, tenant, max_age_ms,
-                              period_ms, knnreg.STREAM_TEMPLATE, refresh, *clear])
+                              period_ms, knnreg.STREAM_TEMPLATE, refresh, *whole, *clear])
             self.reports += 1
             if direct:
                 self._relay(sub.id)

@@ -87,20 +87,42 @@ end
 
 # KEYS[1] = gs:knn:<sub>, KEYS[2] = history stream, KEYS[3] = the history group's hash of last ids
 # (field: the stream; see HISTORY_SCRIPT), KEYS[4] = its outbox (with outboxes). ARGV[1] =
-# worker, ARGV[2] = its epoch, ARGV[3] = its local list JSON [[distance, id, lon, lat, kind]],
-# ARGV[4] = k, ARGV[5] = maxlen, ARGV[6] = ttl, ARGV[7] = tenant, ARGV[8] = the history's max
-# age (ms), ARGV[9] = its housekeeping period (ms; see `append_history`), ARGV[10] =
-# `STREAM_TEMPLATE`,
-# ARGV[11] = the packed `wire.KnnRefresh` of this subscription and epoch (sent to a sole
-# holder that must report again), ARGV[12..] = tokens this report clears.
+# worker, ARGV[2] = its epoch, ARGV[3] = its local list JSON [[distance, id, lon, lat, kind]]
+# in the workers' order (`nearer`), ARGV[4] = k, ARGV[5] = maxlen, ARGV[6] = ttl, ARGV[7] =
+# tenant, ARGV[8] = the history's max age (ms), ARGV[9] = its housekeeping period (ms; see
+# `append_history`), ARGV[10] = `STREAM_TEMPLATE`, ARGV[11] = the packed `wire.KnnRefresh` of
+# this subscription and epoch (sent to a sole holder that must report again); ARGV[12..15] =
+# the list's first k as pushed (`sole_rendering`: the neighbours' JSON, their ids joined by
+# NUL, how many, the k-th distance or ''), or four empty strings: taken as the merged list
+# when the reporter holds the registration alone, so that the merge decodes, sorts and
+# encodes nothing then (a worker holds most lists alone); ARGV[16..] = tokens this report
+# clears. Numbers the merge renders itself have 17 significant digits: they read back as the
+# very doubles the workers' JSON gives (in its shortest form).
 # Returns {status, kth, sole}: status 1 = a new list was pushed, 0 = nothing changed or
 # waiting, -1 = the report's epoch is stale, 2 = fewer than k within the radius (grow), 3 =
 # the k-th is far inside the radius (shrink); kth as a string; sole 1 when the reporter is
 # now the only holder (`_l:`).
 MERGE_SCRIPT = APPEND_HISTORY_LUA + STREAM_OF_LUA + SEND_LUA + """
+local function before(a, b)  -- bytewise: UTF-8 in code point order, as the workers order ids
+  for i = 1, math.min(#a, #b) do
+    local x, y = string.byte(a, i), string.byte(b, i)
+    if x ~= y then return x < y end
+  end
+  return #a < #b
+end
+local function nearer(a, b)  -- as the workers order their lists: distance, id, point, kind
+  if a[1] ~= b[1] then return a[1] < b[1] end
+  if a[2] ~= b[2] then return before(a[2], b[2]) end
+  if a[3] ~= b[3] then return a[3] < b[3] end
+  if a[4] ~= b[4] then return a[4] < b[4] end
+  return (a[5] or 0) < (b[5] or 0)
+end
+local function num(x)  -- 17 digits: the double itself (cjson's own encoding keeps 14)
+  return string.format('%.17g', x)
+end
 local e = redis.call('HGET', KEYS[1], '_e')
 if not e then return {0, '', 0} end
-for i = 12, #ARGV do redis.call('HDEL', KEYS[1], ARGV[i]) end
+for i = 16, #ARGV do redis.call('HDEL', KEYS[1], ARGV[i]) end
 if ARGV[2] ~= e then
   if tonumber(ARGV[2]) < tonumber(e) then return {-1, '', 0} end
   return {0, '', 0}
@@ -110,7 +132,7 @@ redis.call('HSET', KEYS[1], me, ARGV[3])
 redis.call('HDEL', KEYS[1], '_p:' .. me)
 redis.call('EXPIRE', KEYS[1], 30 * 24 * 3600)
 local k = tonumber(ARGV[4])
-local all = {}
+local lists = {}
 local waiting, alone = false, true
 local fields = redis.call('HGETALL', KEYS[1])
 for i = 1, #fields, 2 do
@@ -129,7 +151,7 @@ for i = 1, #fields, 2 do
     end
   else
     if f ~= me then alone = false end
-    for _, n in ipairs(cjson.decode(fields[i + 1])) do all[#all + 1] = n end
+    lists[#lists + 1] = fields[i + 1]
   end
 end
 flush(KEYS[4])
@@ -141,35 +163,38 @@ else
   redis.call('HDEL', KEYS[1], '_l:' .. me)
 end
 if waiting then return {0, '', sole} end
-table.sort(all, function(a, b)
-  if a[1] ~= b[1] then return a[1] < b[1] end
-  if a[2] ~= b[2] then return a[2] < b[2] end
-  return (a[5] or 0) < (b[5] or 0)
-end)
-local top, ids, seen = {}, {}, {}
-for _, n in ipairs(all) do
-  if #top >= k then break end
-  local key = (n[5] or 0) .. ':' .. n[2]
-  if not seen[key] then
-    -- an object handed off may be listed by its sender and its receiver for a moment
-    seen[key] = true
-    top[#top + 1] = {id = n[2], lon = n[3], lat = n[4], distance_m = n[1]}
-    ids[#ids + 1] = n[2]
+local count, kth, key, payload
+if alone and ARGV[12] ~= '' then
+  count, kth, key, payload = tonumber(ARGV[14]), ARGV[15], ARGV[13], ARGV[12]
+else
+  local all = {}
+  for _, list in ipairs(lists) do
+    for _, n in ipairs(cjson.decode(list)) do all[#all + 1] = n end
   end
+  table.sort(all, nearer)
+  local top, ids, seen, last = {}, {}, {}, 0
+  for _, n in ipairs(all) do
+    if #top >= k then break end
+    local held = (n[5] or 0) .. ':' .. n[2]
+    if not seen[held] then
+      -- an object handed off may be listed by its sender and its receiver for a moment
+      seen[held] = true
+      top[#top + 1] = '{"id":' .. cjson.encode(n[2]) .. ',"lon":' .. num(n[3]) .. ',"lat":'
+                      .. num(n[4]) .. ',"distance_m":' .. num(n[1]) .. '}'
+      ids[#ids + 1] = n[2]
+      last = n[1]
+    end
+  end
+  count, kth = #top, ''
+  if count >= k then kth = num(last) end
+  key, payload = table.concat(ids, '\\0'), '[' .. table.concat(top, ',') .. ']'
 end
 local r = tonumber(redis.call('HGET', KEYS[1], '_r') or '-1')
-if #top < k and r >= 0 then return {2, '', sole} end
+if count < k and r >= 0 then return {2, '', sole} end
 local want = 0
-local kth = ''
-if #top >= k then
-  kth = tostring(top[k].distance_m)
-  if r < 0 or top[k].distance_m * 4 < r then want = 3 end
-end
-local key = table.concat(ids, '\\0')
+if count >= k and (r < 0 or tonumber(kth) * 4 < r) then want = 3 end
 if redis.call('HGET', KEYS[1], '_merged') == key then return {want, kth, sole} end
 redis.call('HSET', KEYS[1], '_merged', key)
-local payload = '[]'
-if #top > 0 then payload = cjson.encode(top) end
 local prev = redis.call('HGET', KEYS[3], KEYS[2]) or '0-0'
 local id = append_history(KEYS[2], prev, ARGV[5], ARGV[8], ARGV[6], ARGV[9], 'k', payload,
                           't', ARGV[7], 'p', prev)
@@ -177,6 +202,20 @@ redis.call('HSET', KEYS[3], KEYS[2], id)
 if want == 3 then return {3, kth, sole} end
 return {1, kth, sole}
 """
+
+NO_SOLE_RENDERING: tuple[bytes, str, int, str] = (b"", "", 0, "")
+
+
+def sole_rendering(local: list[tuple[float, str, float, float, Any]], k: int
+                   ) -> tuple[bytes, str, int, str]:
+    """MERGE_SCRIPT's ARGV[12..15] for a worker's local list (sorted as the workers sort them):
+    its first k as the merged list when the worker holds it alone, rendered here."""
+    head = local[:k]
+    return (orjson.dumps([{"id": oid, "lon": x, "lat": y, "distance_m": d}
+                          for d, oid, x, y, _ in head]),
+            "\0".join([n[1] for n in head]), len(head),
+            repr(head[-1][0]) if len(head) >= k else "")
+
 
 # A resize: KEYS[1] = gs:knn:<sub>, KEYS[2] = its history group's outbox (with outboxes).
 # ARGV[1] = the epoch it was decided on, ARGV[2] = the new

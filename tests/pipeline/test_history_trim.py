@@ -61,7 +61,8 @@ def test_knn_histories_lose_their_old_entries_as_they_grow(redis_db: str) -> Non
         local = orjson.dumps([[float(i), f"o{i}", 0.0, 0.0, 0]])
         status, _, _ = merge(keys=keys, args=["w0", 1, local, 1, 10_000, 3600, "t", AGE_MS,
                                               history_housekeeping_ms(AGE_MS / 1000),
-                                              knnreg.STREAM_TEMPLATE, b"refresh"])
+                                              knnreg.STREAM_TEMPLATE, b"refresh",
+                                              *knnreg.NO_SOLE_RENDERING])
         return int(status) in (1, 3)
 
     assert all(report(i) for i in range(300))  # each a new list

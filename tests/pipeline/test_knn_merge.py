@@ -18,26 +18,42 @@ SUB, TENANT = "k1", "t"
 
 
 class Merge:
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, sub: str = SUB) -> None:
         self.store = redis.Redis.from_url(url)
         self.script = self.store.register_script(knnreg.MERGE_SCRIPT)
-        self.key = names.knn_key(SUB)
+        self.sub = sub
+        self.key = names.knn_key(sub)
 
     def report(self, worker: str, epoch: int, local: list[tuple[float, str]],
                k: int = 2) -> tuple[int, int]:
         """(status, sole) of a worker's report of its list [(distance, id)]."""
-        refresh = wire.encode_entry(wire.KnnRefresh(tenant=TENANT, ids=[SUB], epoch=epoch))
+        return self.report_whole(worker, epoch, [(d, i, 0.0, 0.0, (0, i)) for d, i in local],
+                                 k)[::2]
+
+    def report_whole(self, worker: str, epoch: int,
+                     local: list[tuple[float, str, float, float, tuple[int, str]]], k: int,
+                     sole: bool = False) -> tuple[int, str, int]:
+        """(status, kth, sole) of a worker's report of its list of neighbours [(distance, id,
+        lon, lat, (kind, id))], with its own rendering when `sole` (as a worker that held it
+        alone at its last report sends it)."""
+        refresh = wire.encode_entry(wire.KnnRefresh(tenant=TENANT, ids=[self.sub],
+                                                    epoch=epoch))
+        rendering = (knnreg.sole_rendering(local, k) if sole else knnreg.NO_SOLE_RENDERING)
         out: list[Any] = self.script(
-            keys=[self.key, names.history_key(SUB), names.history_last_key(SUB)],
-            args=[worker, epoch, orjson.dumps([[d, i, 0.0, 0.0, 0] for d, i in local]), k,
-                  1000, 3600, TENANT, 60_000, history_housekeeping_ms(60),
-                  knnreg.STREAM_TEMPLATE, refresh])
-        return int(out[0]), int(out[2])
+            keys=[self.key, names.history_key(self.sub), names.history_last_key(self.sub)],
+            args=[worker, epoch, orjson.dumps([[d, i, x, y, key[0]] for d, i, x, y, key in local]),
+                  k, 1000, 3600, TENANT, 60_000, history_housekeeping_ms(60),
+                  knnreg.STREAM_TEMPLATE, refresh, *rendering])
+        return int(out[0]), out[1].decode(), int(out[2])
+
+    def lists(self) -> list[Any]:
+        """The lists pushed to the subscription's history, oldest first."""
+        return [orjson.loads(f[b"k"]) for _id, f in self.store.xrange(
+            names.history_key(self.sub))]
 
     def pushed(self) -> list[list[str]]:
         """The id lists pushed to the subscription's history, oldest first."""
-        return [[n["id"] for n in orjson.loads(f[b"k"])]
-                for _id, f in self.store.xrange(names.history_key(SUB))]
+        return [[n["id"] for n in pushed] for pushed in self.lists()]
 
     def field(self, name: str) -> str | None:
         raw = self.store.hget(self.key, name)
@@ -119,3 +135,41 @@ def test_a_worker_leaves_a_registration_of_the_epoch_it_holds(redis_db: str) -> 
     assert leave(keys=[m.key], args=["w0", 3]) == 1
     assert m.field("w0") is None and m.field("_l:w0") is None and m.field("_p:w0") is None
     assert m.field("_e") == "3" and m.pushed() == [["a", "b"]]  # the list pushed stays
+
+
+def test_a_sole_holders_own_rendering_is_the_merged_list_and_a_merge_renders_the_same(
+        redis_db: str) -> None:
+    """A worker that held a list alone sends it rendered (`sole_rendering`), and the script
+    pushes that as it is when the worker still holds it alone. The script's own merge (of
+    several holders, or without a rendering) pushes the same list: the same order (ties by
+    id in code point order, then by point and kind, as the workers sort, whatever the
+    Redis server's locale), and every number as the double it was (cjson's own encoding
+    kept 14 digits). A rendering sent by a worker that is no longer alone is ignored."""
+    lon = 13.404954123456789  # (17 significant digits)
+    local = sorted([(10.0, "B", lon, 52.52, (0, "B")), (10.0, "a", 0.1, -33.9, (0, "a")),
+                    (10.0, "é", 1e-7, 1.0, (0, "é")), (10.0, "a", 0.2, -33.9, (1, "a")),
+                    (12.345, "z/1", -179.99999999999997, 89.5, (0, "z/1"))])
+    k = 4
+    want = [{"id": i, "lon": x, "lat": y, "distance_m": d} for d, i, x, y, _ in local[:k]]
+    assert [n["id"] for n in want] == ["B", "a", "a", "é"]
+    merged, whole = Merge(redis_db, "k-merged"), Merge(redis_db, "k-whole")
+    for m in (merged, whole):
+        m.store.hset(m.key, mapping=knnreg.register_fields(1, 40.0, ["w0"]))  # (4 x the k-th)
+
+    def report(m: Merge, neighbours: list[Any], sole: bool = False) -> tuple[int, float, int]:
+        status, kth, held_alone = m.report_whole("w0", 1, neighbours, k, sole)
+        return status, float(kth), held_alone
+
+    # the first report of each, merged by the script (the worker does not know yet that it
+    # holds the list alone); then, held alone, the worker's rendering is pushed as it is
+    assert report(merged, local) == (1, 10.0, 1)
+    assert report(whole, local[1:]) == (1, 12.345, 1)
+    assert report(whole, local, sole=True) == (1, 10.0, 1)
+    assert merged.lists() == [want] and whole.lists()[-1] == want
+    (_, last), = whole.store.xrevrange(names.history_key("k-whole"), count=1)
+    assert last[b"k"] == knnreg.sole_rendering(local, k)[0]
+    # another holder: a rendering no longer counts, the script merges both lists
+    whole.store.hset(whole.key, "w1", orjson.dumps([[5.0, "c", 2.0, 3.0, 0]]))
+    assert report(whole, local, sole=True) == (1, 10.0, 0)
+    assert whole.lists()[-1] == [{"id": "c", "lon": 2.0, "lat": 3.0, "distance_m": 5.0},
+                                 *want[:3]]
