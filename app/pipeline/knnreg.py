@@ -96,8 +96,8 @@ end
 # NUL, how many, the k-th distance or ''), or four empty strings: taken as the merged list
 # when the reporter holds the registration alone, so that the merge decodes, sorts and
 # encodes nothing then (a worker holds most lists alone); ARGV[16..] = tokens this report
-# clears. Numbers the merge renders itself have 17 significant digits: they read back as the
-# very doubles the workers' JSON gives (in its shortest form).
+# clears. Numbers the merge renders itself have 17 significant digits (cjson's encoding keeps
+# 14): they read back as the very doubles the workers' JSON gives (in its shortest form).
 # Returns {status, kth, sole}: status 1 = a new list was pushed, 0 = nothing changed or
 # waiting, -1 = the report's epoch is stale, 2 = fewer than k within the radius (grow), 3 =
 # the k-th is far inside the radius (shrink); kth as a string; sole 1 when the reporter is
@@ -116,9 +116,6 @@ local function nearer(a, b)  -- as the workers order their lists: distance, id, 
   if a[3] ~= b[3] then return a[3] < b[3] end
   if a[4] ~= b[4] then return a[4] < b[4] end
   return (a[5] or 0) < (b[5] or 0)
-end
-local function num(x)  -- 17 digits: the double itself (cjson's own encoding keeps 14)
-  return string.format('%.17g', x)
 end
 local e = redis.call('HGET', KEYS[1], '_e')
 if not e then return {0, '', 0} end
@@ -179,14 +176,14 @@ else
     if not seen[held] then
       -- an object handed off may be listed by its sender and its receiver for a moment
       seen[held] = true
-      top[#top + 1] = '{"id":' .. cjson.encode(n[2]) .. ',"lon":' .. num(n[3]) .. ',"lat":'
-                      .. num(n[4]) .. ',"distance_m":' .. num(n[1]) .. '}'
+      top[#top + 1] = '{"id":' .. cjson.encode(n[2]) .. string.format(
+        ',"lon":%.17g,"lat":%.17g,"distance_m":%.17g}', n[3], n[4], n[1])
       ids[#ids + 1] = n[2]
       last = n[1]
     end
   end
   count, kth = #top, ''
-  if count >= k then kth = num(last) end
+  if count >= k then kth = string.format('%.17g', last) end
   key, payload = table.concat(ids, '\\0'), '[' .. table.concat(top, ',') .. ']'
 end
 local r = tonumber(redis.call('HGET', KEYS[1], '_r') or '-1')
