@@ -126,11 +126,8 @@ def test_knn_finds_the_nearest_anywhere(rows: list[Any], px: float, py: float, k
         reply = ask(w, wire.SnapshotQuery(type="knn", point=(px, py), k=k, keywords=kw,
                                           match_all=match_all), limit=k)
 
-    def ok(kws: set[str]) -> bool:
-        return holds(kw, match_all, kws)
-
     ranked = sorted((haversine_m(px, py, x, y), f"o{i}") for i, (x, y, kws) in enumerate(rows)
-                    if ok(kws))
+                    if holds(kw, match_all, kws))
     # The worker computes distances over arrays, whose elements numpy may take through other
     # instructions than a scalar's (an ulp apart): ids agree but where distances tie so.
     dist = {i: d for d, i in ranked}
