@@ -1282,13 +1282,22 @@ class Executor:
             r_m = self.round_received
         report = wire.encode_json(wire.LoadReport(
             worker=self.id, round=round_no, at=time.time(), plan_version=self.version, num=num,
-            r_m=r_m, partitions=parts, received=self.round_received))
+            r_m=r_m, partitions=parts, received=self.round_received, behind_s=self._behind_s()))
         self.round_received = 0
         pipe = self.redis.pipeline(transaction=False)
         pipe.hset(names.report_key(round_no), self.id, report)
         pipe.expire(names.report_key(round_no), 3600)
         pipe.hset(names.STATS_KEY, self.id, report)
         pipe.execute()
+
+    def _behind_s(self) -> float:
+        """How far the newest entry of the stream is ahead of the last one processed, in
+        seconds of their ids (0 when nothing waits, or nothing was processed yet)."""
+        newest = self.redis.xrevrange(self.stream, count=1)
+        if not newest or self.processed_id is None:
+            return 0.0
+        ahead = cluster.entry_order(newest[0][0])[0] - cluster.entry_order(self.processed_id)[0]
+        return max(0.0, ahead / 1000)
 
     # --- commands from the coordinator (wire.Command) -------------------------------------
     def _command(self, eid: bytes, fields: dict[bytes, bytes]) -> None:

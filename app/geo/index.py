@@ -5,6 +5,7 @@ Pure data + numpy; the api (router) and workers load a `Plan` and build a `Globa
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass, field
 from typing import Any
@@ -116,6 +117,19 @@ class Plan:
             gaps = int((cover == 0).sum())
             overlaps = int((cover > 1).sum())
             raise ValueError(f"partitions do not tile the grid: {gaps} gaps, {overlaps} overlaps")
+
+    def ownership(self) -> str:
+        """A digest of which worker owns each cell of the grid: equal for two plans that
+        differ only in how each worker's cells are cut into partitions (a merge), different
+        once a cell changed workers (a move, a split handed off, a failover)."""
+        workers = sorted({p.worker for p in self.partitions})
+        of = {w: i for i, w in enumerate(workers)}
+        owner = np.zeros((self.grid.ny, self.grid.nx), dtype=np.int32)
+        for p in self.partitions:
+            owner[p.y0 : p.y1 + 1, p.x0 : p.x1 + 1] = of[p.worker]
+        digest = hashlib.blake2b(json.dumps(workers).encode(), digest_size=16)
+        digest.update(owner.tobytes())
+        return digest.hexdigest()
 
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -544,6 +544,9 @@ class LoadReport(msgspec.Struct):
     plan_version: int | None = None
     partitions: list[PartitionLoad] = []
     received: int = 0  # objects and subscriptions this round (R of replicated mode)
+    # How far the newest entry of its stream was ahead of the last one it had processed, in
+    # seconds of their ids: a backlog. One that shrank over a round inflated the round's R.
+    behind_s: float = 0.0
 
 
 _report_decoder = msgspec.json.Decoder(LoadReport)

@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from app.geo import balance
 from app.geo.grid import Grid
 from app.geo.index import GlobalIndex, Partition, Plan, initial_plan, split_rect
 
@@ -124,3 +125,25 @@ def test_partitions_for_bbox_and_circle() -> None:
 def test_split_rect_single_cell() -> None:
     with pytest.raises(ValueError):
         split_rect(3, 3, 3, 3)
+
+
+def test_ownership_changes_with_the_cells_of_a_worker_not_with_their_cutting() -> None:
+    """A merge (one worker's cells cut differently) keeps the digest; a move, a split handed
+    to another worker, or a renamed owner changes it; the version does not count."""
+    grid = Grid(nx=20, ny=20)
+    plan = initial_plan(grid, ["w0", "w1"])
+    low, high = balance.split_partition(plan.partitions[0], "y", 9, ("p2", "p3"))
+    cut = Plan(version=2, grid=grid, partitions=[low, high, plan.partitions[1]],
+               members=plan.members)
+    assert cut.ownership() == plan.ownership()
+    merged = balance.apply_merges(cut, iter(["p4"]), worker="w0")
+    assert merged.version > cut.version and merged.ownership() == plan.ownership()
+    handed = balance.apply_split(plan, "p0", balance.Split("x", 4, "high", 0.0), "w1",
+                                 iter(["p5", "p6"]))
+    assert handed.ownership() != plan.ownership()
+    moved = balance.apply_move(plan, ["p0"], "w1", iter(["p7"]))
+    assert moved.ownership() not in (plan.ownership(), handed.ownership())
+    renamed = Plan(version=1, grid=grid, partitions=[
+        Partition(id=p.id, x0=p.x0, y0=p.y0, x1=p.x1, y1=p.y1,
+                  worker={"w0": "w2"}.get(p.worker, p.worker)) for p in plan.partitions])
+    assert renamed.ownership() != plan.ownership()

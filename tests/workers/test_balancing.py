@@ -279,6 +279,62 @@ def test_round_reports_statistics(cluster: LiveServer) -> None:
     assert all(r["round"] == n for r in reports.values())
 
 
+def round_report(server: LiveServer, worker: str, timeout: float = 20) -> dict[str, Any]:
+    """A round command to one worker, as the coordinator sends it; its report."""
+    client = sync_client(server.redis_url)
+    n = int(client.incr(names.ROUND_SEQ)) + 1000
+    client.xadd(names.command_stream(worker),
+                {b"m": msgspec.msgpack.encode({"t": "round", "n": n})})
+    deadline = time.monotonic() + timeout
+    while (raw := client.hget(names.report_key(n), worker)) is None:
+        assert time.monotonic() < deadline, f"no report from {worker}"
+        time.sleep(0.05)
+    report: dict[str, Any] = orjson.loads(raw)
+    return report
+
+
+def test_a_worker_reports_the_backlog_it_has_not_processed(cluster: LiveServer) -> None:
+    """behind_s: how far the newest entry of the worker's stream is ahead of the last one it
+    processed, when it reads the round's command (before the entries read with it). Paused
+    while records for its partition arrive 1.5 s apart, it reports at least that; once it
+    has caught up, about nothing."""
+    _, w = owner(plan_of(cluster), 0.3, 0.2)
+    key = cluster.new_key()
+    headers = {"Authorization": f"Bearer {key}"}
+
+    def post(tag: str) -> None:
+        objs = [{"id": f"{tag}-{i}", "lon": 0.3, "lat": 0.2, "ts": time.time()}
+                for i in range(20)]
+        r = httpx.post(cluster.base_url + "/v1/objects", json={"objects": objs},
+                       headers=headers, timeout=20)
+        assert r.status_code == 202, r.text
+
+    post("before")
+    assert round_report(cluster, w)["behind_s"] < 1.0
+    cluster.kill(w, signal.SIGSTOP)
+    try:
+        post("first")
+        time.sleep(1.5)
+        post("second")
+        client = sync_client(cluster.redis_url)
+        n = int(client.incr(names.ROUND_SEQ)) + 1000
+        client.xadd(names.command_stream(w),
+                    {b"m": msgspec.msgpack.encode({"t": "round", "n": n})})
+    finally:
+        cluster.kill(w, signal.SIGCONT)
+    wait_for_sync(lambda: client.hget(names.report_key(n), w) is not None, 20)
+    behind = orjson.loads(client.hget(names.report_key(n), w) or b"")["behind_s"]
+    assert 1.4 <= behind < 10, behind
+    wait_for_sync(lambda: round_report(cluster, w)["behind_s"] < 1.0, 20)
+
+
+def wait_for_sync(done: Any, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not done():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+
+
 def test_continuous_knn_across_moves(cluster: LiveServer) -> None:
     """kNN state (moving objects' latest positions) travels with a moved partition: after
     moves and splits of the partitions holding the query points, every kNN subscription's

@@ -36,7 +36,8 @@ from bench.cluster import ROOT, own_database
 pytestmark = pytest.mark.slow
 
 GRID = Grid(nx=20, ny=20)
-Report = Callable[[int], tuple[float, float] | None]  # round -> (Num(C(m)), R(m)), None: silent
+# round -> (Num(C(m)), R(m)) or (Num(C(m)), R(m), behind_s); None: silent
+Report = Callable[[int], tuple[float, ...] | None]
 Answer = Callable[["FakeWorker", dict[str, Any]], dict[str, Any] | None]
 
 
@@ -121,10 +122,10 @@ class FakeWorker(threading.Thread):
         if msg["t"] == "round":
             numbers = self.report(msg["n"])
             if numbers is not None:
-                num, r = numbers
+                num, r, *behind = numbers
                 self.redis.hset(names.report_key(msg["n"]), self.id, orjson.dumps({
                     "worker": self.id, "round": msg["n"], "at": time.time(), "num": num,
-                    "R": r, "partitions": []}))
+                    "R": r, "partitions": [], "behind_s": behind[0] if behind else 0.0}))
             return
         reply = self.answer(self, msg)
         if reply is not None:
@@ -438,6 +439,51 @@ def test_missing_report_skips_the_round(world_factory: Callable[..., World]) -> 
     assert skipped.duration_ms >= 950  # waited min(max(1, period / 2), 10) = 1 s
     # the pointer was not stepped by the skipped round: the next is its first step
     assert (after.decision, after.stage, after.r_s) == ("nothing", "GOOD", 10)
+
+
+def test_no_decision_on_counts_across_a_hand_off_or_a_backlog_caught_up(
+        world_factory: Callable[..., World]) -> None:
+    """beta = 1: every other decided round is a rebalance. w0 (costliest) splits off half of
+    its partition at the first request: the round after counted part of its time on each
+    layout and is skipped, the pointer not stepped. Later w1 reports a backlog of 3 s that it
+    has caught up by round 9: that round's R counted what had waited, and is skipped too. A
+    round with a missing report (a loaded machine) can come between; it restarts the count
+    as well."""
+    world = world_factory(balance_period_s="0.3", balance_beta="1")
+    set_plan(world.redis, initial_plan(GRID, ["w0", "w1"]))
+
+    def split_once(w: FakeWorker, msg: dict[str, Any]) -> dict[str, Any]:
+        if len(w.received("reduce")) > 1:
+            return answer_none(w, msg)
+        plan = get_plan(w.redis)
+        p = next(p for p in plan.partitions if p.worker == w.id)
+        split = balance.Split("x", p.x0 + 4, "high", 0.0)
+        new = balance.apply_split(plan, p.id, split, msg["to"], iter(msg["ids"]))
+        set_plan(w.redis, new)
+        return {"ok": True, "action": "split", "version": new.version, "details": {}}
+
+    world.worker("w0", constant(90, 10), split_once)
+    world.worker("w1", lambda n: (10, 10, 3.0 if n < 9 else 0.0))
+    world.coordinator()
+    rows = world.wait_rounds(lambda rows: len(rows) >= 12 and len(decided(rows[9:])) >= 2)
+    by_round = {r.round: r for r in rows}
+    (split,) = [r for r in rows if r.action == "split"]
+    after = by_round[split.round + 1]
+    assert after.decision == "skipped" and after.stage == split.stage
+    if "missing" not in after.details:
+        assert after.details["reason"].startswith("cells changed workers"), after
+    # a merge keeps every cell on its worker: test_pointer_follows_figure_9 decides the round
+    # after its merge
+    caught = by_round[9]
+    if "missing" not in caught.details and "missing" not in by_round[8].details:
+        assert caught.decision == "skipped", caught
+        assert caught.details["reason"].startswith(
+            "counts inflated by a backlog: w1 caught up 3.0 s of backlog in 0."), caught
+    # rounds before (a steady backlog) and after it are decided as usual
+    assert [r.decision for r in decided(rows[9:])][:2] in (
+        ["nothing", "rebalance"], ["rebalance", "nothing"])
+    assert any(r.decision != "skipped" for r in rows[split.round + 1:8])
+    assert world.state()["backlog"]["w1"][0] == 0.0
 
 
 def test_admin_requests(world_factory: Callable[..., World]) -> None:
