@@ -22,7 +22,7 @@ import numpy.typing as npt
 from app.geo.geometry import circle_bbox, haversine_m
 from app.geo.grid import Grid
 from app.pipeline.wire import ObjectBatch
-from workers.knn_index import Keywords, Neighbor, PointIndex
+from workers.knn_index import Keywords, Neighbor, PointIndex, signature
 from workers.window import LiveWindow, keyword_set
 
 _KEY = itemgetter(4)  # a Neighbor's key
@@ -34,6 +34,10 @@ MAX_REACH_CELLS = 256  # a list reaching over more cells is registered in coarse
 # region reaches far); one covering more even at the coarsest is checked against every
 # arrival.
 REACH_LEVELS = (1, 8, 64)
+# A list's keyword predicate as up to this many signature masks (`Keywords.signatures`): an
+# arrival passes when its signature holds every bit of one of them. With more terms than this
+# (any of them), every arrival passes, and the predicate itself decides.
+REACH_MASKS = 4
 
 
 @dataclass
@@ -116,6 +120,8 @@ class Reach:
         self.lon: npt.NDArray[np.float64] = np.zeros(16)
         self.lat: npt.NDArray[np.float64] = np.zeros(16)
         self.kth: npt.NDArray[np.float64] = np.zeros(16)  # inf while fewer than k
+        # the keyword predicate's signature masks (`REACH_MASKS`; 0: any arrival passes)
+        self.masks: npt.NDArray[np.uint64] = np.zeros((16, REACH_MASKS), dtype=np.uint64)
         # reach cells of every level, keyed by `_key` (level, cell of that level) -> slots
         self.cells: dict[int, set[int]] = {}
         self.registered: dict[int, tuple[float, list[int]]] = {}  # slot -> (radius, cells)
@@ -143,8 +149,15 @@ class Reach:
             if i == len(self.lon):
                 self.lon, self.lat, self.kth = (np.concatenate([a, np.zeros(i)])
                                                 for a in (self.lon, self.lat, self.kth))
+                self.masks = np.concatenate([self.masks, np.zeros_like(self.masks)])
         self.slot[sub.id] = i
         self.lon[i], self.lat[i] = sub.lon, sub.lat
+        wanted = sub.wanted
+        masks = wanted.signatures.masks if wanted is not None else ()
+        # none (no predicate) or too many: 0, which every signature holds
+        self.masks[i] = (masks * REACH_MASKS)[:REACH_MASKS] if masks else 0
+        if len(masks) > REACH_MASKS:
+            self.masks[i] = 0
         return i
 
     def update(self, sub: KnnSub) -> None:
@@ -481,11 +494,8 @@ class KnnState:
                 changed[sid] = sub
         cands = [(key, *held[1:]) for key in placed if (held := points.get(key))]
         if cands:
-            members = self.members
             for sub, entering in self._entering(again, cands):
-                # not those listed already (placed before the subscription's search)
-                fresh = [n for n in entering if n[0] <= sub.radius
-                         and sub.id not in members.get(n[4], ())]
+                fresh = [n for n in entering if n[0] <= sub.radius]
                 if not fresh:
                     continue
                 merged = sorted(sub.local + fresh)
@@ -550,8 +560,9 @@ class KnnState:
                   cands: list[tuple[tuple[int, str], float, float, frozenset[str]]]
                   ) -> list[tuple[KnnSub, list[Neighbor]]]:
         """For each subscription but those searched `again`, the candidates nearer than its
-        k-th (any within its radius while it holds fewer than k) that satisfy its keywords:
-        the pairs `Reach` gives, their distances at once."""
+        k-th (any within its radius while it holds fewer than k) that satisfy its keywords
+        and that it does not list already (a member that moved; one placed before the
+        subscription's search): the pairs `Reach` gives, their distances at once."""
         if len(again) >= len(self.subs):
             return []
         reach = self.reach
@@ -567,8 +578,22 @@ class KnnState:
             si, ci = si[keep], ci[keep]
         d = haversine_m(reach.lon[si], reach.lat[si], lon[ci], lat[ci])
         hit = np.flatnonzero(d <= reach.kth[si] + 0.001)
+        si, ci, d = si[hit], ci[hit], d[hit]
+        # Most pairs left are of lists that hold the candidate already (a member moved), or
+        # whose keywords it lacks (such a list reaches far, past the many that lack them):
+        # both go here, with numpy, rather than one by one below. The keyword test is of
+        # signatures: every candidate that holds the keywords passes, and a few more, which
+        # the predicate itself then turns away.
+        sig = np.fromiter((signature(c[3]) for c in cands), dtype=np.uint64, count=len(cands))
+        masks = reach.masks[si]
+        keep = ((sig[ci][:, None] & masks) == masks).any(axis=1)
+        held = [(slot, j) for j, c in enumerate(cands) for sid in self.members.get(c[0], ())
+                if (slot := reach.slot.get(sid)) is not None]
+        if held:
+            pairs = np.asarray(held, dtype=np.int64)
+            keep &= ~np.isin(si * len(cands) + ci, pairs[:, 0] * len(cands) + pairs[:, 1])
         found: dict[int, list[Neighbor]] = {}
-        for s_ix, c_ix, dj in zip(si[hit].tolist(), ci[hit].tolist(), d[hit].tolist(),
+        for s_ix, c_ix, dj in zip(si[keep].tolist(), ci[keep].tolist(), d[keep].tolist(),
                                   strict=True):
             sub = reach.subs[s_ix]
             key, x, y, kws = cands[c_ix]

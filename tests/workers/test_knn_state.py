@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from app.geo.geometry import EARTH_RADIUS_M, haversine_m
 from app.geo.grid import Grid
 from app.pipeline.wire import ObjectBatch
-from workers.knn import MOVING, KnnState, KnnSub, top_k
+from workers.knn import MOVING, REACH_MASKS, KnnState, KnnSub, top_k
 from workers.knn_index import Keywords, PointIndex, mindist_m, signature
 
 lons = st.floats(-180, 180, allow_nan=False)
@@ -43,7 +43,11 @@ def test_mindist_is_a_lower_bound(lon: float, lat: float, x: tuple[float, float]
 SPOTS = [(0.0, 0.0), (0.5, 0.5), (-0.7, 0.2)]
 coord = st.one_of(st.sampled_from(SPOTS),
                   st.tuples(st.floats(-2, 2, allow_nan=False), st.floats(-1, 1, allow_nan=False)))
-words = st.frozensets(st.sampled_from(["taxi", "bus", "car"]), max_size=2)
+VOCAB = ["taxi", "bus", "car", "van", "tram", "ferry"]
+words = st.frozensets(st.sampled_from(VOCAB), max_size=2)
+# a list's predicate may have more terms than `workers.knn.REACH_MASKS` (then every arrival
+# passes the signature test)
+sub_words = st.frozensets(st.sampled_from(VOCAB), max_size=6)
 ops = st.one_of(
     st.tuples(st.just("move"), st.integers(0, 12), coord, words, st.integers(0, 50)),
     st.tuples(st.just("exit"), st.integers(0, 12), st.integers(0, 50)),
@@ -52,7 +56,8 @@ ops = st.one_of(
     st.tuples(st.just("expire"), st.integers(0, 30)),
     # a radius as a bounded registration gives it (app.pipeline.knnreg): infinite, or metres
     # that cut through the region (objects beyond it never enter the local list)
-    st.tuples(st.just("sub"), st.integers(0, 5), coord, st.integers(1, 4), words, st.booleans(),
+    st.tuples(st.just("sub"), st.integers(0, 5), coord, st.integers(1, 4), sub_words,
+              st.booleans(),
               st.sampled_from([math.inf, 20_000.0, 80_000.0, 200_000.0])),
     st.tuples(st.just("unsub"), st.integers(0, 5)),
     st.just(("refresh",)),
@@ -289,6 +294,32 @@ def test_an_arrival_that_does_not_enter_still_bounds_the_others() -> None:
     state.upsert_moving("a", _km(2.5), 0.0, frozenset(), 3.0)  # beyond c, short of b
     _lists_exact(state)
     assert [n[1] for n in sub.local] == ["c"]
+
+
+@pytest.mark.parametrize("full", [False, True], ids=["fewer-than-k", "full"])
+@pytest.mark.parametrize("n_terms", [1, 2, 4, 5, 6])
+def test_an_arrival_holding_any_one_term_of_a_list_enters_it(n_terms: int, full: bool
+                                                            ) -> None:
+    """Arrivals are tested against a list's keywords by signature first (`Reach.masks`, up
+    to REACH_MASKS terms; with more, every arrival passes on to the predicate). Each term
+    alone brings its object in, whatever the number of terms; an object holding none of
+    them, or only other words, stays out. `full`: the list holds k already, so arrivals
+    must come nearer than its k-th."""
+    assert 4 == REACH_MASKS  # the parameters straddle it
+    terms = frozenset(VOCAB[:n_terms])
+    state = KnnState(window_s=10.0, bucket_s=1.0, grid=Grid())
+    k = 2 * len(terms) + 2
+    if full:
+        for i in range(k):
+            state.upsert_moving(f"far{i}", _km(50 + i), 0.0, terms, 1.0)
+    sub = state.add(KnnSub("s", 0.0, 0.0, k, terms, False))
+    for i, term in enumerate(sorted(terms)):
+        state.upsert_moving(f"other{i}", _km(0.5 + i), 0.1, frozenset({"rickshaw"}), 2.0)
+        state.upsert_moving(f"none{i}", _km(0.5 + i), 0.2, frozenset(), 2.0)
+        state.upsert_moving(f"o{i}", _km(1 + i), 0.0, frozenset({term, "rickshaw"}), 2.0)
+        state.refresh()
+        assert [n[1] for n in sub.local[:i + 1]] == [f"o{j}" for j in range(i + 1)], term
+    _lists_exact(state)
 
 
 def test_a_search_that_keeps_the_list_widens_what_it_is_told_of() -> None:
