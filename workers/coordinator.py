@@ -55,6 +55,8 @@ REQUEST_BLOCK_MAX_S = 0.5  # longest BLPOP on the request list: config and lease
 MERGE_EVERY = 4  # merge adjacent partitions every 4th round in which nothing moved
 # a worker that caught up more backlog than this share of a round counted it in its R
 CATCH_UP_SHARE = 0.2
+# a worker's report that came this share of a period or less after its previous one
+SHORT_WINDOW = 0.5
 MIN_PERIOD_S = 0.1
 FAILOVER_CHECK_S = 0.5  # how often the leader looks for dead workers that own partitions
 STOP_GRACE_S = 2.0  # after SIGTERM, how much longer to wait for a reply to a command sent
@@ -470,7 +472,7 @@ class Coordinator:
                 self.send(w, wire.RoundCommand(round=n))
             reports = self.collect_reports(n, live, cfg.report_timeout_s)
             missing = [w for w in live if w not in reports]
-            unsettled = self.unsettled(reports)
+            unsettled = self.unsettled(reports, cfg.period_s)
             if missing:
                 rec.details["missing"] = missing
                 if self.stop.is_set():
@@ -491,33 +493,40 @@ class Coordinator:
                  rec.mh, rec.ml, rec.plan_version, rec.duration_ms)
         return rec
 
-    def unsettled(self, reports: dict[str, wire.LoadReport]) -> str | None:
+    def unsettled(self, reports: dict[str, wire.LoadReport], period_s: float) -> str | None:
         """Why this round's counts do not measure the load of one layout (the round is then
-        skipped, as one with a missing report), or None. Each round counts from the last
-        round's reports:
-        - cells that changed workers since (a move or split, the last round's own or an
-          admin's, or a failover) were counted part of the round on one layout and part on
-          the other: the giver's count stops, the taker's starts late;
-        - a worker whose backlog shrank by more than CATCH_UP_SHARE of the round (after a
+        skipped, as one with a missing report), or None. Each worker counts from its
+        previous report:
+        - cells that changed workers since the last round's reports (a move or split, the
+          last round's own or an admin's, or a failover) were counted part of the round on
+          one layout and part on the other: the giver's count stops, the taker's starts late;
+        - a worker that read the round's command less than SHORT_WINDOW of a period after its
+          previous one (a busy worker reads the commands that waited together) counted
+          almost nothing, and looks idle;
+        - a worker whose backlog shrank by more than CATCH_UP_SHARE of its round (after a
           hand-off held its stream, or a burst) counted what had waited as well: its R is
           the rate it caught up at, not the rate of arrivals.
-        Decisions on such counts move load back and forth. A merge keeps every cell on its
-        worker: not a change."""
+        Decisions on such counts move load back and forth, or onto a worker already behind.
+        A merge keeps every cell on its worker: not a change."""
         plan = self.plan()
         owners = plan.ownership() if plan is not None else None
         before = self.state.get("owners")
         self.state["owners"] = owners
-        backlog = self.state.get("backlog") or {}
-        self.state["backlog"] = {w: [rep.behind_s, rep.at] for w, rep in reports.items()}
         if before is not None and owners is not None and before != owners:
             return ("cells changed workers since the last round's reports: these count the "
                     "load of neither layout")
-        caught = []
+        short, caught = [], []
         for w, rep in sorted(reports.items()):
-            was, since = backlog.get(w) or (0.0, rep.at)
-            shrank, window = was - rep.behind_s, rep.at - since
-            if window > 0 and shrank > CATCH_UP_SHARE * window:
+            if not rep.since:
+                continue  # its first report: counted since it started
+            window = rep.at - rep.since
+            shrank = rep.behind_since_s - rep.behind_s
+            if window < SHORT_WINDOW * period_s:
+                short.append(f"{w} counted {max(0.0, window):.1f} s")
+            elif shrank > CATCH_UP_SHARE * window:
                 caught.append(f"{w} caught up {shrank:.1f} s of backlog in {window:.1f} s")
+        if short:
+            return f"counts of a short round (period {period_s:g} s): " + "; ".join(short)
         if caught:
             return "counts inflated by a backlog: " + "; ".join(caught)
         return None

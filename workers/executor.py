@@ -172,7 +172,12 @@ def by_history_group(sub_ids: list[str], refs: list[bytes]) -> tuple[list[str], 
 # in the kNN benchmark. A count query does not wait for them: the worker writes its counts
 # before it answers the query's part (`_answer_straight`).
 COUNTS_REPORT_S = 0.5
-READ_COUNT = 256  # entries read from each stream at once
+READ_COUNT = 256  # entries read from each stream at once, at most
+# A step reads as many entries of our stream as the last steps processed in this long: a
+# worker with a backlog still reads its commands (and the coordinator's round and reduce
+# requests, whose deadline is a second or more) between steps of a fraction of a second.
+STEP_TARGET_S = 0.25
+MIN_READ_COUNT = 1
 ADOPTED_BLOCK_MS = 20  # on a Redis Cluster with adopted streams: how long a read of ours blocks
 MAINTENANCE_S = 5.0  # trimming, expiry and the replay of entries left pending
 KEYWORDS_STEP_S = 0.005  # at most this long a step lists the keywords of new records
@@ -232,6 +237,8 @@ class Executor:
         # Per-cell counts of the window, reported for count queries (`_report_counts`): the
         # last entry of our stream whose records they include.
         self.processed_id: bytes | None = None
+        self.read_count = READ_COUNT  # entries a step reads from a stream (`_pace`)
+        self.last_report = (0.0, 0.0)  # the last round's report: its time, the backlog then
         self.reported: tuple[bytes | None, float] = (None, 0.0)
         self.counts_seq = 0  # reports written by this process (their versions)
         # SWARM load balancing (§4.2-§5).
@@ -550,31 +557,34 @@ class Executor:
         if self.records.changed:
             wait = COUNTS_REPORT_S - (time.time() - self.reported[1])
             block = max(1, min(block, int(wait * 1000) + 1))
+        count = self.read_count
         if self.cluster and adopted:
             # Our streams share our slot, an adopted one is in its dead worker's: one read
             # each (the adopted ones first, without blocking; ours then briefly).
             reply: list[Any] = []
             for stream in adopted:
                 reply += self.redis.xreadgroup(names.GROUP, self.id, {stream: ">"},
-                                               count=READ_COUNT) or []
-            reply += self.redis.xreadgroup(names.GROUP, self.id, streams, count=READ_COUNT,
+                                               count=count) or []
+            reply += self.redis.xreadgroup(names.GROUP, self.id, streams, count=count,
                                            block=1 if reply else min(block, ADOPTED_BLOCK_MS)
                                            ) or []
         else:
             reply = self.redis.xreadgroup(names.GROUP, self.id, {**streams, **adopted},
-                                          count=READ_COUNT, block=block)
+                                          count=count, block=block)
         # Commands first: entries read in the same call that a move made stale are then
         # forwarded (either order is correct; this one never delays a command behind a batch).
         by_stream = {(s.decode() if isinstance(s, bytes) else s): e for s, e in reply or []}
         for eid, fields in by_stream.get(self.cmd_stream, []):
             self._command(eid, fields)
         if by_stream.get(self.stream):
+            started = time.perf_counter()
             self._process(by_stream[self.stream], replay=False)
+            self._pace(len(by_stream[self.stream]), time.perf_counter() - started)
         for adoption in list(self.adoptions.values()):
             if by_stream.get(adoption.stream):
                 self._adopted(adoption, by_stream[adoption.stream])
         self._take_straight(by_stream.get(self.query_stream, []))
-        if len(by_stream.get(self.stream, [])) < READ_COUNT:
+        if len(by_stream.get(self.stream, [])) < count:
             # Our stream was read to its end, and what was read is processed: every entry
             # added before any part read so far was among it (see `_answer_straight`).
             self._answer_straight()
@@ -610,6 +620,9 @@ class Executor:
                     adoption.archiver.step(adoption.records, now)
                 else:
                     self._end_adoption(adoption, "its worker is back")
+
+    def _pace(self, entries: int, took_s: float) -> None:
+        self.read_count = paced_count(self.read_count, entries, took_s)
 
     # --- keyword summaries (Tornado §4) ----------------------------------------------------
     def _write_summaries(self, now: float) -> None:
@@ -1280,9 +1293,13 @@ class Executor:
             r_m += r
         if self.replicated:
             r_m = self.round_received
+        at, behind = time.time(), self._behind_s()
+        since, behind_since = self.last_report
+        self.last_report = (at, behind)
         report = wire.encode_json(wire.LoadReport(
-            worker=self.id, round=round_no, at=time.time(), plan_version=self.version, num=num,
-            r_m=r_m, partitions=parts, received=self.round_received, behind_s=self._behind_s()))
+            worker=self.id, round=round_no, at=at, plan_version=self.version, num=num,
+            r_m=r_m, partitions=parts, received=self.round_received, behind_s=behind,
+            since=since, behind_since_s=behind_since))
         self.round_received = 0
         pipe = self.redis.pipeline(transaction=False)
         pipe.hset(names.report_key(round_no), self.id, report)
@@ -1328,6 +1345,17 @@ class Executor:
             pipe.expire(names.reply_key(cmd.reply), 60)
             pipe.execute()
         self.redis.xack(self.cmd_stream, names.GROUP, eid)
+
+
+def paced_count(count: int, entries: int, took_s: float) -> int:
+    """The next step's read count after one that processed `entries` in `took_s` (having
+    read up to `count`): as many as take about STEP_TARGET_S at that pace, between
+    MIN_READ_COUNT and READ_COUNT, growing by at most half at a time (one light step after
+    heavy ones does not bring a long step back at once)."""
+    if took_s <= 0 or entries <= 0:
+        return count
+    fits = int(entries * STEP_TARGET_S / took_s)
+    return max(MIN_READ_COUNT, min(READ_COUNT, fits, count + max(1, count // 2)))
 
 
 def run_worker(settings: Settings, worker_id: str, redis_url: str) -> None:

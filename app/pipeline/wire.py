@@ -547,6 +547,10 @@ class LoadReport(msgspec.Struct):
     # How far the newest entry of its stream was ahead of the last one it had processed, in
     # seconds of their ids: a backlog. One that shrank over a round inflated the round's R.
     behind_s: float = 0.0
+    # The round's counts began at the worker's previous report: its time (0: none before)
+    # and the backlog then.
+    since: float = 0.0
+    behind_since_s: float = 0.0
 
 
 _report_decoder = msgspec.json.Decoder(LoadReport)

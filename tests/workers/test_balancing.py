@@ -32,6 +32,7 @@ from tests.workers.test_pipeline import (
     random_objects,
     random_subs,
 )
+from workers.executor import MIN_READ_COUNT, READ_COUNT, STEP_TARGET_S, paced_count
 
 pytestmark = pytest.mark.slow
 
@@ -326,6 +327,22 @@ def test_a_worker_reports_the_backlog_it_has_not_processed(cluster: LiveServer) 
     behind = orjson.loads(client.hget(names.report_key(n), w) or b"")["behind_s"]
     assert 1.4 <= behind < 10, behind
     wait_for_sync(lambda: round_report(cluster, w)["behind_s"] < 1.0, 20)
+
+
+def test_a_step_reads_as_many_entries_as_take_a_quarter_of_a_second() -> None:
+    """`paced_count`: after a step, the next reads as many entries as took STEP_TARGET_S at
+    its pace, at least MIN_READ_COUNT (one entry that takes longer still goes whole) and at
+    most READ_COUNT; it grows back by half at most per step."""
+    assert (STEP_TARGET_S, MIN_READ_COUNT, READ_COUNT) == (0.25, 1, 256)
+    assert paced_count(256, 256, 2.56) == 25  # 10 ms an entry
+    assert paced_count(256, 3, 3.0) == 1  # a second an entry
+    assert paced_count(25, 25, 0.025) == 37  # fast again: grows by half
+    assert paced_count(200, 200, 0.01) == 256
+    assert paced_count(40, 5, 0.0) == 40  # nothing measured: unchanged
+    count, steps = 1, 0
+    while count < READ_COUNT:
+        count, steps = paced_count(count, count, 0.0005 * count), steps + 1
+    assert steps <= 15
 
 
 def wait_for_sync(done: Any, timeout: float) -> None:

@@ -36,7 +36,8 @@ from bench.cluster import ROOT, own_database
 pytestmark = pytest.mark.slow
 
 GRID = Grid(nx=20, ny=20)
-# round -> (Num(C(m)), R(m)) or (Num(C(m)), R(m), behind_s); None: silent
+# round -> (Num(C(m)), R(m)), optionally then behind_s and the seconds the round's counts
+# cover (by default, since the worker's previous report); None: silent
 Report = Callable[[int], tuple[float, ...] | None]
 Answer = Callable[["FakeWorker", dict[str, Any]], dict[str, Any] | None]
 
@@ -89,6 +90,7 @@ class FakeWorker(threading.Thread):
         self.report = report
         self.answer = answer
         self.commands: list[dict[str, Any]] = []
+        self.last_report = (0.0, 0.0)  # time, behind_s
         self.halt = threading.Event()
         self.stream = names.command_stream(wid)
         try:
@@ -122,10 +124,16 @@ class FakeWorker(threading.Thread):
         if msg["t"] == "round":
             numbers = self.report(msg["n"])
             if numbers is not None:
-                num, r, *behind = numbers
+                num, r, *extra = numbers
+                at, behind = time.time(), extra[0] if extra else 0.0
+                since, behind_since = self.last_report
+                if len(extra) > 1:
+                    since = at - extra[1]
+                self.last_report = (at, behind)
                 self.redis.hset(names.report_key(msg["n"]), self.id, orjson.dumps({
-                    "worker": self.id, "round": msg["n"], "at": time.time(), "num": num,
-                    "R": r, "partitions": [], "behind_s": behind[0] if behind else 0.0}))
+                    "worker": self.id, "round": msg["n"], "at": at, "num": num, "R": r,
+                    "partitions": [], "behind_s": behind, "since": since,
+                    "behind_since_s": behind_since}))
             return
         reply = self.answer(self, msg)
         if reply is not None:
@@ -441,14 +449,15 @@ def test_missing_report_skips_the_round(world_factory: Callable[..., World]) -> 
     assert (after.decision, after.stage, after.r_s) == ("nothing", "GOOD", 10)
 
 
-def test_no_decision_on_counts_across_a_hand_off_or_a_backlog_caught_up(
+def test_no_decision_on_counts_across_a_hand_off_a_short_round_or_a_backlog_caught_up(
         world_factory: Callable[..., World]) -> None:
     """beta = 1: every other decided round is a rebalance. w0 (costliest) splits off half of
     its partition at the first request: the round after counted part of its time on each
     layout and is skipped, the pointer not stepped. Later w1 reports a backlog of 3 s that it
-    has caught up by round 9: that round's R counted what had waited, and is skipped too. A
-    round with a missing report (a loaded machine) can come between; it restarts the count
-    as well."""
+    has caught up by round 9: that round's R counted what had waited, and is skipped too; so
+    is round 12, whose report came 0.01 s after w1's previous one (a busy worker reading the
+    commands that waited). A round with a missing report (a loaded machine) can come
+    between."""
     world = world_factory(balance_period_s="0.3", balance_beta="1")
     set_plan(world.redis, initial_plan(GRID, ["w0", "w1"]))
 
@@ -463,9 +472,9 @@ def test_no_decision_on_counts_across_a_hand_off_or_a_backlog_caught_up(
         return {"ok": True, "action": "split", "version": new.version, "details": {}}
 
     world.worker("w0", constant(90, 10), split_once)
-    world.worker("w1", lambda n: (10, 10, 3.0 if n < 9 else 0.0))
+    world.worker("w1", lambda n: (10, 10, 3.0 if n < 9 else 0.0) + ((0.01,) if n == 12 else ()))
     world.coordinator()
-    rows = world.wait_rounds(lambda rows: len(rows) >= 12 and len(decided(rows[9:])) >= 2)
+    rows = world.wait_rounds(lambda rows: len(rows) >= 13 and len(decided(rows[9:])) >= 2)
     by_round = {r.round: r for r in rows}
     (split,) = [r for r in rows if r.action == "split"]
     after = by_round[split.round + 1]
@@ -474,16 +483,19 @@ def test_no_decision_on_counts_across_a_hand_off_or_a_backlog_caught_up(
         assert after.details["reason"].startswith("cells changed workers"), after
     # a merge keeps every cell on its worker: test_pointer_follows_figure_9 decides the round
     # after its merge
-    caught = by_round[9]
-    if "missing" not in caught.details and "missing" not in by_round[8].details:
+    caught, short = by_round[9], by_round[12]
+    if "missing" not in caught.details:
         assert caught.decision == "skipped", caught
         assert caught.details["reason"].startswith(
             "counts inflated by a backlog: w1 caught up 3.0 s of backlog in 0."), caught
+    if "missing" not in short.details:
+        assert short.decision == "skipped", short
+        assert short.details["reason"] == (
+            "counts of a short round (period 0.3 s): w1 counted 0.0 s"), short
     # rounds before (a steady backlog) and after it are decided as usual
     assert [r.decision for r in decided(rows[9:])][:2] in (
         ["nothing", "rebalance"], ["rebalance", "nothing"])
     assert any(r.decision != "skipped" for r in rows[split.round + 1:8])
-    assert world.state()["backlog"]["w1"][0] == 0.0
 
 
 def test_admin_requests(world_factory: Callable[..., World]) -> None:
