@@ -557,16 +557,24 @@ class Coordinator:
     def rebalance(self, rec: RoundRecord, costs: dict[str, float], r_s: float,
                   cfg: BalancerConfig) -> None:
         """Figure 10: mL the cheapest worker; mH the costliest, then the next costliest while
-        the one asked finds no feasible reduction (or refuses, or does not answer)."""
+        the one asked finds no feasible reduction (or refuses, or does not answer). Only
+        workers costing more than `balance_min_gap` above mL are asked: closer costs differ
+        by little more than their counts' noise, and a move pauses both workers' streams."""
         if len(costs) < 2:
             rec.details["reason"] = "fewer than two workers"
             return
         ml = min(costs, key=lambda w: (costs[w], w))
         rec.ml = ml
+        gap = self.settings.balance_min_gap
+        top = max(costs, key=lambda w: (costs[w], w))
+        if costs[top] <= costs[ml] * (1 + gap):
+            rec.details["reason"] = (f"costs within {gap:.0%} of each other: no move is worth "
+                                     "the pause it makes")
+            return
         attempts: list[dict[str, Any]] = []
         rec.details["attempts"] = attempts
         for mh in sorted((w for w in costs if w != ml), key=lambda w: (-costs[w], w)):
-            if costs[mh] <= costs[ml] or self.stop.is_set():
+            if costs[mh] <= costs[ml] * (1 + gap) or self.stop.is_set():
                 break
             plan = self.plan()
             if plan is None:

@@ -57,6 +57,10 @@ class Settings(BaseSettings):
     keyword_summaries: bool = True
     keyword_summaries_max_age_s: float = 1.0  # how old the summaries a router uses may be
     balance_beta: int = 20
+    # a rebalance moves load only when C(mH) exceeds C(mL) by more than this share: a move
+    # holds both workers' streams for a moment, and costs closer than the counts' own noise
+    # gain nothing from it
+    balance_min_gap: float = Field(default=0.1, ge=0)
     admin_rebalance_timeout_s: float = 30.0  # POST /v1/admin/rebalance waits this long (503)
 
     # --- archive and Spark ------------------------------------------------------

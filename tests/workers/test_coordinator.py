@@ -430,6 +430,31 @@ def test_reduce_goes_to_the_costliest_then_the_next(world_factory: Callable[...,
     assert not world.workers["w3"].received("reduce")
 
 
+def test_no_move_between_costs_closer_than_the_minimum_gap(
+        world_factory: Callable[..., World]) -> None:
+    """balance_min_gap 0.1, beta = 1 (every other decided round a rebalance): while w0 costs
+    5 % more than w1, a rebalance round asks no one and says why; from round 8, when it costs
+    30 % more, w0 is asked to shed load."""
+    world = world_factory(balance_period_s="0.3", balance_beta="1", balance_min_gap="0.1")
+    set_plan(world.redis, initial_plan(GRID, ["w0", "w1"]))
+    world.worker("w0", lambda n: (105 if n < 8 else 130, 10), answer_none)
+    world.worker("w1", constant(100, 10), answer_none)
+    world.coordinator()
+    rows = decided(world.wait_rounds(lambda rows: any(
+        r.decision == "rebalance" and r.round >= 8 for r in rows)))
+    close = [r for r in rows if r.decision == "rebalance" and r.round < 8]
+    assert close, rows
+    for r in close:
+        assert (r.mh, r.ml, r.action) == (None, "w1", "none"), r
+        assert r.details["reason"] == (
+            "costs within 10% of each other: no move is worth the pause it makes"), r
+        assert "attempts" not in r.details
+    (far,) = [r for r in rows if r.decision == "rebalance" and r.round >= 8][:1]
+    assert (far.mh, far.ml) == ("w0", "w1") and far.details["attempts"][0]["mh"] == "w0"
+    assert [m["n"] for m in world.workers["w0"].received("reduce")][:1] == [far.round]
+    assert not world.workers["w1"].received("reduce")
+
+
 def decided(rows: list[Row]) -> list[Row]:
     return [r for r in rows if r.decision != "skipped"]
 
