@@ -52,7 +52,9 @@ REPORT_POLL_S = 0.05
 REPORT_TTL_S = 3600
 REPLY_TTL_S = 60
 REQUEST_BLOCK_MAX_S = 0.5  # longest BLPOP on the request list: config and lease are re-read
-MERGE_EVERY = 4  # merge adjacent partitions every 4th round in which nothing moved
+# merge adjacent partitions every 4th round in which nothing moved, balance_merge_s or more
+# after the last merge
+MERGE_EVERY = 4
 # a worker that caught up more backlog than this share of a round counted it in its R
 CATCH_UP_SHARE = 0.2
 # a worker's report that came this share of a period or less after its previous one
@@ -180,6 +182,7 @@ class Coordinator:
         self.state: dict[str, Any] = {}
         self.last_round_at = 0.0
         self.quiet_rounds = 0
+        self.merged_at = time.time()
         self.signals = 0
         self.stopped_at = 0.0
 
@@ -269,6 +272,8 @@ class Coordinator:
         self.last_round_at = now if last is None or last > now else last
         quiet = self.state.get("quiet_rounds")
         self.quiet_rounds = quiet if isinstance(quiet, int) else 0
+        merged = _number(self.state.get("merged_at"))
+        self.merged_at = now if merged is None or merged > now else merged
         self.state["leader"] = self.id
         self.save_state()
         log.info("coordinator %s is the leader (last round %s, stage %s, decision %s)", self.id,
@@ -308,6 +313,7 @@ class Coordinator:
         self.state["leader"] = self.id
         self.state["last_round_at"] = self.last_round_at
         self.state["quiet_rounds"] = self.quiet_rounds
+        self.state["merged_at"] = self.merged_at
         done = self._set(keys=[names.LEASE_KEY, names.BALANCER_STATE],
                          args=[self.id, orjson.dumps(self.state)])
         if done is None:
@@ -551,7 +557,11 @@ class Coordinator:
             self.rebalance(rec, costs, r_s, cfg)
         if rec.action == "none":
             self.quiet_rounds += 1
-            if self.quiet_rounds % MERGE_EVERY == 0:
+            now = time.time()
+            if (self.quiet_rounds >= MERGE_EVERY
+                    and now - self.merged_at >= self.settings.balance_merge_s):
+                self.quiet_rounds = 0
+                self.merged_at = now
                 self.merge(rec, cfg)
 
     def rebalance(self, rec: RoundRecord, costs: dict[str, float], r_s: float,

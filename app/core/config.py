@@ -61,6 +61,10 @@ class Settings(BaseSettings):
     # holds both workers' streams for a moment, and costs closer than the counts' own noise
     # gain nothing from it
     balance_min_gap: float = Field(default=0.1, ge=0)
+    # SWARM §4.3.1's occasional merge of adjacent partitions of one worker: at most this often
+    # (a merged partition's cost N·Q·R exceeds the sum of its parts', which a rebalance then
+    # answers by splitting it again)
+    balance_merge_s: float = Field(default=3600.0, ge=0)
     admin_rebalance_timeout_s: float = 30.0  # POST /v1/admin/rebalance waits this long (503)
 
     # --- archive and Spark ------------------------------------------------------

@@ -25,7 +25,7 @@ US_BOUNDS = (-125.0, 24.0, -66.0, 50.0)
 QUERY_SIDE = 0.0016  # §6: query side = 0.16 % of the space side
 HOT_SIDE = 0.15  # §6.2: hotspot square of side 15 % of the space side
 HOT_SUBS_S = 60.0  # §6.2: a hotspot's queries are all created during its first minute
-MERGE_EVERY = 4  # as workers.coordinator: merge every 4th round in which nothing moved
+MERGE_EVERY = 4  # as workers.coordinator with GEOSWARM_BALANCE_MERGE_S=0: every 4th quiet round
 MODES = ("swarm", "uniform", "history", "replicated")
 Mode = Literal["swarm", "uniform", "history", "replicated"]
 

@@ -340,7 +340,7 @@ def test_pointer_follows_figure_9(world_factory: Callable[..., World]) -> None:
     forced flip after beta equal decisions; compared with DecisionPointer run here. w0 holds two
     adjacent partitions: the 4th round in which nothing moved asks it to merge them."""
     seq = [10, 20, 15, 12, 12, 30, 40, 50, 60, 70, 5, 5, 6]
-    world = world_factory(balance_period_s="0.1", balance_beta="3")
+    world = world_factory(balance_period_s="0.1", balance_beta="3", balance_merge_s="0")
     plan = initial_plan(GRID, ["w0", "w1"])
     low, high = balance.split_partition(plan.partitions[0], "y", 9, ("p2", "p3"))
     plan.partitions[:1] = [low, high]
@@ -368,6 +368,25 @@ def test_pointer_follows_figure_9(world_factory: Callable[..., World]) -> None:
     assert [(r.round, r.action, r.plan_version) for r in rows if r.details.get("merges")] == [
         (4, "merge", 2)]
     assert all(m["version"] == 2 for m in reduces if m["n"] > 4)
+
+
+def test_merges_wait_balance_merge_s(world_factory: Callable[..., World]) -> None:
+    """Rounds of 0.1 s in which nothing moves, w0 holding two adjacent partitions: no merge
+    until balance_merge_s (1.5 s) after the coordinator took the lead, then one."""
+    world = world_factory(balance_period_s="0.1", balance_beta="100", balance_merge_s="1.5")
+    plan = initial_plan(GRID, ["w0", "w1"])
+    low, high = balance.split_partition(plan.partitions[0], "y", 9, ("p2", "p3"))
+    plan.partitions[:1] = [low, high]
+    set_plan(world.redis, plan)
+    world.worker("w0", constant(100, 10), merge_or_none)
+    world.worker("w1", constant(100, 10))
+    world.coordinator()
+    rows = world.wait_rounds(lambda rows: any(r.details.get("merges") for r in rows))
+    (merged,) = [r for r in rows if r.details.get("merges")]
+    decided_before = [r for r in decided(rows) if r.round < merged.round]
+    assert len(decided_before) >= 8, rows  # many quiet rounds went by without a merge
+    assert merged.started_at - rows[0].started_at >= 1.3
+    assert len(world.workers["w0"].received("merge")) == 1
 
 
 def test_reduce_goes_to_the_costliest_then_the_next(world_factory: Callable[..., World]
