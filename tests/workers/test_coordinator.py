@@ -50,6 +50,17 @@ def answer_none(_w: FakeWorker, _msg: dict[str, Any]) -> dict[str, Any]:
     return {"ok": True, "action": "none", "details": {"reason": "no feasible reduction"}}
 
 
+def split_own(w: FakeWorker, msg: dict[str, Any]) -> dict[str, Any]:
+    """A reduce answered as a worker that splits its first partition at 4 columns in and
+    gives the high side to the request's mL."""
+    plan = get_plan(w.redis)
+    p = next(p for p in plan.partitions if p.worker == w.id)
+    split = balance.Split("x", p.x0 + 4, "high", 0.0)
+    new = balance.apply_split(plan, p.id, split, msg["to"], iter(msg["ids"]))
+    set_plan(w.redis, new)
+    return {"ok": True, "action": "split", "version": new.version, "details": {"split": p.id}}
+
+
 def set_plan(r: Any, plan: Plan) -> None:
     r.set(names.PLAN_KEY, plan.to_json())
 
@@ -407,15 +418,7 @@ def test_reduce_goes_to_the_costliest_then_the_next(world_factory: Callable[...,
         return {"ok": False, "action": "none", "error": "deadline passed"}
 
     def w1(w: FakeWorker, msg: dict[str, Any]) -> dict[str, Any]:
-        if not first(w):
-            return answer_none(w, msg)
-        plan = get_plan(w.redis)
-        p = next(p for p in plan.partitions if p.worker == w.id)
-        split = balance.Split("x", p.x0 + 4, "high", 0.0)
-        new = balance.apply_split(plan, p.id, split, msg["to"], iter(msg["ids"]))
-        set_plan(w.redis, new)
-        return {"ok": True, "action": "split", "version": new.version,
-                "details": {"split": p.id}}
+        return split_own(w, msg) if first(w) else answer_none(w, msg)
 
     world.worker("w0", constant(90, 10), w0)
     world.worker("w1", constant(50, 10), w1)
@@ -506,14 +509,7 @@ def test_no_decision_on_counts_across_a_hand_off_a_short_round_or_a_backlog_caug
     set_plan(world.redis, initial_plan(GRID, ["w0", "w1"]))
 
     def split_once(w: FakeWorker, msg: dict[str, Any]) -> dict[str, Any]:
-        if len(w.received("reduce")) > 1:
-            return answer_none(w, msg)
-        plan = get_plan(w.redis)
-        p = next(p for p in plan.partitions if p.worker == w.id)
-        split = balance.Split("x", p.x0 + 4, "high", 0.0)
-        new = balance.apply_split(plan, p.id, split, msg["to"], iter(msg["ids"]))
-        set_plan(w.redis, new)
-        return {"ok": True, "action": "split", "version": new.version, "details": {}}
+        return answer_none(w, msg) if len(w.received("reduce")) > 1 else split_own(w, msg)
 
     world.worker("w0", constant(90, 10), split_once)
     world.worker("w1", lambda n: (10, 10, 3.0 if n < 9 else 0.0) + ((0.01,) if n == 12 else ()))
