@@ -57,7 +57,8 @@ REQUEST_BLOCK_MAX_S = 0.5  # longest BLPOP on the request list: config and lease
 MERGE_EVERY = 4
 # a worker that caught up more backlog than this share of a round counted it in its R
 CATCH_UP_SHARE = 0.2
-# a worker's report that came this share of a period or less after its previous one
+# a worker's report that came this share of the time since the last round or less after its
+# previous one
 SHORT_WINDOW = 0.5
 MIN_PERIOD_S = 0.1
 FAILOVER_CHECK_S = 0.5  # how often the leader looks for dead workers that own partitions
@@ -466,6 +467,7 @@ class Coordinator:
         started = time.time()
         t0 = time.monotonic()
         n = self.next_round()
+        since_last = started - self.last_round_at  # the span the round's counts should cover
         self.last_round_at = started
         rec = RoundRecord(round=n, started_at=started, kind=kind,
                           stage=self.pointer.stage.name, decision="skipped",
@@ -478,7 +480,7 @@ class Coordinator:
                 self.send(w, wire.RoundCommand(round=n))
             reports = self.collect_reports(n, live, cfg.report_timeout_s)
             missing = [w for w in live if w not in reports]
-            unsettled = self.unsettled(reports, cfg.period_s)
+            unsettled = self.unsettled(reports, since_last)
             if missing:
                 rec.details["missing"] = missing
                 if self.stop.is_set():
@@ -499,16 +501,17 @@ class Coordinator:
                  rec.mh, rec.ml, rec.plan_version, rec.duration_ms)
         return rec
 
-    def unsettled(self, reports: dict[str, wire.LoadReport], period_s: float) -> str | None:
+    def unsettled(self, reports: dict[str, wire.LoadReport], span_s: float) -> str | None:
         """Why this round's counts do not measure the load of one layout (the round is then
         skipped, as one with a missing report), or None. Each worker counts from its
         previous report:
         - cells that changed workers since the last round's reports (a move or split, the
           last round's own or an admin's, or a failover) were counted part of the round on
           one layout and part on the other: the giver's count stops, the taker's starts late;
-        - a worker that read the round's command less than SHORT_WINDOW of a period after its
-          previous one (a busy worker reads the commands that waited together) counted
-          almost nothing, and looks idle;
+        - a worker that read the round's command less than SHORT_WINDOW of `span_s` (the time
+          since the last round began) after its previous one (a busy worker reads the
+          commands that waited together) counted almost nothing, and looks idle. (Against
+          the span, not the period: a manual round soon after the last is no short round.)
         - a worker whose backlog shrank by more than CATCH_UP_SHARE of its round (after a
           hand-off held its stream, or a burst) counted what had waited as well: its R is
           the rate it caught up at, not the rate of arrivals.
@@ -527,12 +530,13 @@ class Coordinator:
                 continue  # its first report: counted since it started
             window = rep.at - rep.since
             shrank = rep.behind_since_s - rep.behind_s
-            if window < SHORT_WINDOW * period_s:
+            if window < SHORT_WINDOW * span_s:
                 short.append(f"{w} counted {max(0.0, window):.1f} s")
             elif shrank > CATCH_UP_SHARE * window:
                 caught.append(f"{w} caught up {shrank:.1f} s of backlog in {window:.1f} s")
         if short:
-            return f"counts of a short round (period {period_s:g} s): " + "; ".join(short)
+            return (f"counts of a short round ({span_s:.1f} s since the last): "
+                    + "; ".join(short))
         if caught:
             return "counts inflated by a backlog: " + "; ".join(caught)
         return None
