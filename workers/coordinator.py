@@ -580,15 +580,15 @@ class Coordinator:
         ml = min(costs, key=lambda w: (costs[w], w))
         rec.ml = ml
         gap = self.settings.balance_min_gap
-        top = max(costs, key=lambda w: (costs[w], w))
-        if costs[top] <= costs[ml] * (1 + gap):
+        bar = costs[ml] * (1 + gap)  # only workers costing more are asked
+        if max(costs.values()) <= bar:
             rec.details["reason"] = (f"costs within {gap:.0%} of each other: no move is worth "
                                      "the pause it makes")
             return
         attempts: list[dict[str, Any]] = []
         rec.details["attempts"] = attempts
         for mh in sorted((w for w in costs if w != ml), key=lambda w: (-costs[w], w)):
-            if costs[mh] <= costs[ml] * (1 + gap) or self.stop.is_set():
+            if costs[mh] <= bar or self.stop.is_set():
                 break
             plan = self.plan()
             if plan is None:

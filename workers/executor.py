@@ -237,7 +237,7 @@ class Executor:
         # Per-cell counts of the window, reported for count queries (`_report_counts`): the
         # last entry of our stream whose records they include.
         self.processed_id: bytes | None = None
-        self.read_count = READ_COUNT  # entries a step reads from a stream (`_pace`)
+        self.read_count = READ_COUNT  # entries a step reads from a stream (`paced_count`)
         self.last_report = (0.0, 0.0)  # the last round's report: its time, the backlog then
         self.reported: tuple[bytes | None, float] = (None, 0.0)
         self.counts_seq = 0  # reports written by this process (their versions)
@@ -579,7 +579,8 @@ class Executor:
         if by_stream.get(self.stream):
             started = time.perf_counter()
             self._process(by_stream[self.stream], replay=False)
-            self._pace(len(by_stream[self.stream]), time.perf_counter() - started)
+            self.read_count = paced_count(self.read_count, len(by_stream[self.stream]),
+                                          time.perf_counter() - started)
         for adoption in list(self.adoptions.values()):
             if by_stream.get(adoption.stream):
                 self._adopted(adoption, by_stream[adoption.stream])
@@ -620,9 +621,6 @@ class Executor:
                     adoption.archiver.step(adoption.records, now)
                 else:
                     self._end_adoption(adoption, "its worker is back")
-
-    def _pace(self, entries: int, took_s: float) -> None:
-        self.read_count = paced_count(self.read_count, entries, took_s)
 
     # --- keyword summaries (Tornado §4) ----------------------------------------------------
     def _write_summaries(self, now: float) -> None:
