@@ -152,7 +152,7 @@ def clean(store: ArchiveStore, tenant: str, grace_s: float, now: float) -> int:
         if current.covers(f):
             store.fs.delete_file(f.path)
             deleted += 1
-    kept = {path for p in current.partitions for path in p.files}
+    kept = current.kept()
     for v in _versions(store, tenant):
         if v == current.version:
             continue

@@ -154,6 +154,17 @@ class Manifest:
     def covers(self, f: BucketFile) -> bool:
         return f.bucket <= self.absorbed.get(f.worker, NO_CUT)
 
+    def kept(self) -> set[str]:
+        """The files this layout reads, wherever an older layout wrote them, with the checksum
+        file Hadoop's local filesystem writes beside each (`.<name>.crc`) and opens with it:
+        deleting that under a running query fails the query's read."""
+        out: set[str] = set()
+        for p in self.partitions:
+            for path in p.files:
+                parent, _, name = path.rpartition("/")
+                out.update((path, f"{parent}/.{name}.crc"))
+        return out
+
 
 class ArchiveStore:
     """The archive's filesystem and its paths (a local directory or any pyarrow URI)."""

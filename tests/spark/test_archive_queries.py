@@ -179,7 +179,7 @@ def replaced(store: Any, tenant: str) -> list[str]:
 
     current = store.manifest(tenant)
     assert current is not None
-    kept = {path for p in current.partitions for path in p.files}
+    kept = current.kept()
     own = store.version_dir(tenant, current.version) + "/"
     top = store.compact_dir(tenant)
     older = [i.path for i in store.fs.get_file_info(pafs.FileSelector(top, recursive=True))
