@@ -22,7 +22,7 @@ want="$(sha256sum pyproject.toml | cut -d' ' -f1)"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   echo "installing geoswarm and its dependencies into $VENV (first run takes a few minutes)..." >&2
   "$VENV/bin/python" -m pip install --quiet --upgrade pip
-  "$VENV/bin/python" -m pip install --quiet -e '.[dev]'
+  "$VENV/bin/python" -m pip install --quiet --no-compile -e '.[dev]'
   echo "$want" > "$stamp"
 fi
 if ! command -v java >/dev/null 2>&1 && [ -z "${JAVA_HOME:-}" ]; then

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import anyio.from_thread
 import httpx
@@ -294,11 +295,39 @@ def inprocess_worker(inprocess: InProcessServer) -> InProcessServer:
     return inprocess
 
 
+# The test files whose tests use the session-scoped `spark` fixture (a JVM started in the test
+# process, then warmed up by its first jobs): run by one process of a parallel run, they share
+# one session instead of starting one each (`pytest_xdist_make_scheduler`).
+ONE_SPARK_SESSION = ("tests/spark/test_archive_queries.py", "tests/spark/test_ingest.py",
+                     "tests/spark/test_session.py")
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """A SparkSession is a JVM process: the tests that start one are slow as well as spark."""
+    """A SparkSession is a JVM process: the tests that start one are slow as well as spark
+    (and their file must be one of ONE_SPARK_SESSION)."""
     for item in items:
         if "spark" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.slow)
+            path = item.nodeid.split("::", 1)[0]
+            if path not in ONE_SPARK_SESSION:
+                raise pytest.UsageError(f"{path} uses the `spark` fixture: add it to "
+                                        "ONE_SPARK_SESSION in tests/conftest.py")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """`--dist loadfile` (scripts/test.sh), except that the files of ONE_SPARK_SESSION go to
+    one process together."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class SparkFilesTogether(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = super()._split_scope(nodeid)
+            return ONE_SPARK_SESSION[0] if path in ONE_SPARK_SESSION else path
+
+    return SparkFilesTogether(config, log)
 
 
 @pytest.fixture
