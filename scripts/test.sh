@@ -28,7 +28,8 @@ install_chromium || true
 
 # Without arguments: the whole suite in one process more than there are cores, at most 8
 # (most tests spend much of their time waiting on servers they started; each process may run
-# a SparkSession), each test file kept in one (its module's servers are shared by its tests);
+# a SparkSession), each test file kept in one (its module's servers are shared by its tests;
+# the files that use the in-process SparkSession share one process, and so one JVM);
 # GEOSWARM_TEST_PROCESSES=N sets the number, 1 runs it in one. (Measured on 2 cores from a
 # clean clone: two processes more took 1 034 s against 900, each test slower; the longest
 # files first took 961 s, the Spark files then running together.)
