@@ -406,6 +406,9 @@ class Connection:
     must_read: set[str] = field(default_factory=set)  # of those: read from the histories
     # of the others: the newest entry a notification announced (RecentEntries has it)
     expect: dict[str, tuple[int, int]] = field(default_factory=dict)
+    # positions inside an entry (a client's cursor short of the entry's last message): the
+    # rest of that entry is read from the history before anything is pushed after it
+    inside: set[str] = field(default_factory=set)
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     outbox: Outbox = field(default_factory=Outbox)
     closed: tuple[int, str] | None = None
@@ -430,6 +433,7 @@ class Connection:
         self.dirty.discard(sub)
         self.must_read.discard(sub)
         self.expect.pop(sub, None)
+        self.inside.discard(sub)
 
     def close_soon(self, code: int, reason: str) -> None:
         if self.closed is None:
@@ -647,6 +651,9 @@ class Hub:
                     self.listen(conn, {sub: pos}, pos[0], read=not keep)
                 if (pos[0], pos[1]) >= key:
                     continue  # already delivered by the pump
+                if conn.inside and sub in conn.inside:
+                    conn.mark((sub,))  # the rest of its entry first, read from the history
+                    continue
                 if prev is None:
                     prev = parse_entry_id(prev_id)
                 if not caught_up(pos, prev, key):
@@ -706,15 +713,18 @@ class Hub:
             self.all_by_tenant.get(conn.principal.tenant, set()).discard(conn)
 
     def listen(self, conn: Connection, positions: dict[str, Position], at_ms: int,
-               read: bool = True) -> None:
+               read: bool = True, inside: Iterable[str] = ()) -> None:
         """Deliver these subscriptions from `positions` on (`read`: read their histories now;
-        not when the caller delivers the entry that made it listen)."""
+        not when the caller delivers the entry that made it listen; `inside`: those whose
+        position is a client's cursor inside an entry)."""
         for sub, pos in positions.items():
             conn.excluded.discard(sub)
             conn.expect.pop(sub, None)
+            conn.inside.discard(sub)
             conn.positions[sub] = pos
             conn.listened_ms[sub] = at_ms
             self.by_sub.setdefault(sub, set()).add(conn)
+        conn.inside.update(sub for sub in inside if sub in positions)
         if read:
             conn.mark(positions)
 
@@ -843,6 +853,8 @@ class Hub:
                         conn.mark((sub,))
                     continue
                 lines += batch.lines
+                if batch.position != positions[sub]:  # at the end of an entry read now
+                    conn.inside.discard(sub)
                 conn.positions[sub] = batch.position
                 if batch.full:
                     conn.mark((sub,))

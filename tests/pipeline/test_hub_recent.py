@@ -198,3 +198,24 @@ def test_the_pump_sends_what_it_caught_up_before_reading() -> None:
     asyncio.run(pump_once())
     lines = [orjson.loads(x) for f in transport.frames for x in f.split("\n")]
     assert [m["object"]["id"] for m in lines] == ["a", "b"]
+
+
+def test_a_cursor_inside_an_entry_gets_the_rest_of_it_before_the_next() -> None:
+    """A client resumed from the first of entry 101-0's two messages: the notification of the
+    next entry, which names 101-0 as its predecessor, must not be pushed (the second message
+    would be skipped for good); the subscription is read from its history first. Once a read
+    has left the position at an entry's end, entries are pushed again."""
+    h = hub()
+    conn = Connection(transport=Transport(), principal=Principal("k1", TENANT, False))
+    h.register(conn)
+    h.listen(conn, {"s1": (101, 0, 0)}, 101, inside=["s1"])
+    assert pump_round(h, conn) == ["s1"]  # the listen's own read
+    h.handle_history_appended(note(("s1", "101-0", "102-0", ["c"])))
+    assert delivered(conn) == [] and conn.positions["s1"] == (101, 0, 0)
+    assert pump_round(h, conn) == ["s1"]  # read from the history, not from memory
+    assert delivered(conn) == []
+    # what `deliver` does once its read rendered the rest of 101-0 and 102-0
+    conn.positions["s1"] = (102, 0, 0)
+    conn.inside.discard("s1")
+    h.handle_history_appended(note(("s1", "102-0", "103-0", ["d"])))
+    assert delivered(conn) == [("s1", "103-0:0", "d")]

@@ -20,6 +20,7 @@ from app.api.deps import StateDep, TenantDep, websocket_principal
 from app.core.errors import ApiError, NotFound
 from app.core.state import AppState
 from app.pipeline.hub import (
+    WHOLE_ENTRY,
     Connection,
     ConnectionClosed,
     Hub,
@@ -201,6 +202,7 @@ async def _handle_op(text: str, state: Any, hub: Hub, conn: Connection) -> bytes
             conn.outbox.append(_error("bad_request", f"invalid cursor for {sub!r}"))
             continue
         cursors[sub] = pos
+    inside: list[str] = []  # a cursor may stand inside its entry (WHOLE_ENTRY: after it)
     if cursors:
         resumed = await resume_positions(hub.redis, conn.principal.tenant, cursors,
                                          state.settings.history_max_age_s, time.time())
@@ -208,7 +210,9 @@ async def _handle_op(text: str, state: Any, hub: Hub, conn: Connection) -> bytes
             if trimmed:
                 conn.outbox.append(gap_line(sub, position_cursor(pos)))
             positions[sub] = pos
-    hub.listen(conn, positions, now_ms)
+            if pos[2] != WHOLE_ENTRY:
+                inside.append(sub)
+    hub.listen(conn, positions, now_ms, inside=inside)
     if listen_all:
         hub.listen_all(conn, start)
     return _listening(conn)
