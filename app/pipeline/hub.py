@@ -720,7 +720,8 @@ class Hub:
         for sub, pos in positions.items():
             conn.excluded.discard(sub)
             conn.expect.pop(sub, None)
-            conn.inside.discard(sub)
+            if conn.positions.get(sub) != pos:  # (listened again from where it is: as it was)
+                conn.inside.discard(sub)
             conn.positions[sub] = pos
             conn.listened_ms[sub] = at_ms
             self.by_sub.setdefault(sub, set()).add(conn)

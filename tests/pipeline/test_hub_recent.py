@@ -210,6 +210,8 @@ def test_a_cursor_inside_an_entry_gets_the_rest_of_it_before_the_next() -> None:
     h.register(conn)
     h.listen(conn, {"s1": (101, 0, 0)}, 101, inside=["s1"])
     assert pump_round(h, conn) == ["s1"]  # the listen's own read
+    h.listen(conn, {"s1": (101, 0, 0)}, 101)  # listened again, without a cursor: as it was
+    assert pump_round(h, conn) == ["s1"]
     h.handle_history_appended(note(("s1", "101-0", "102-0", ["c"])))
     assert delivered(conn) == [] and conn.positions["s1"] == (101, 0, 0)
     assert pump_round(h, conn) == ["s1"]  # read from the history, not from memory
