@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections import Counter
 from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
@@ -68,6 +69,19 @@ class Listener:
 
     def matches(self) -> list[dict[str, Any]]:
         return [m for m in self.messages if m["type"] == "match"]
+
+    def report(self, got: Counter[Any], want: Counter[Any]) -> str:
+        """What an exact-delivery assertion on this connection says when it fails: per
+        subscription the matches missing and extra, with the last cursor received, and
+        whether the connection had ended (and how)."""
+        by_sub: dict[str, list[Any]] = {}
+        for diff, col in ((want - got, 0), (got - want, 1)):
+            for match, n in diff.items():
+                row = by_sub.setdefault(match[0], [0, 0, self.cursors.get(match[0])])
+                row[col] += n
+        ended = self._task is not None and self._task.done()
+        return (f"missing, extra, last cursor by subscription: {by_sub}; connection ended: "
+                f"{ended} (close code {self.closed_code})")
 
 
 async def subscribe_listening(server: LiveServer, client: Any, key: str,
