@@ -1110,7 +1110,8 @@ class Executor:
                           clear: tuple[str, ...] = ()) -> set[str]:
         """Take subscription copies; kNN registrations report their first lists (clearing
         the tokens `clear`). Returns the ids of the kNN registrations that reported."""
-        reported: set[str] = set()
+        knn: list[wire.SubscriptionCopy] = []  # registered together, after the others
+        knn_ids: set[str] = set()
         for m in subs:
             if m.id in self.tombstones:
                 continue  # deleted already (a late copy)
@@ -1119,11 +1120,11 @@ class Executor:
             spec = m.spec
             assert self.index is not None
             if spec["type"] == "knn":  # a registration may come again, of a newer epoch
-                if m.id not in self.sub_msgs:
+                if m.id not in self.sub_msgs and m.id not in knn_ids:
                     self.round_received += 1
                     self.ledger.add_query(m.id, rect_of(self.index.grid, spec))
-                self.knnreg.register(m, pipe if pipe is not None else self.redis, clear)
-                reported.add(m.id)
+                knn.append(m)
+                knn_ids.add(m.id)
                 continue
             if m.id in self.sub_msgs:
                 continue  # known
@@ -1131,7 +1132,9 @@ class Executor:
             self.round_received += 1
             self.ledger.add_query(m.id, rect_of(self.index.grid, spec))
             self.subs.add(m.tenant, m.id, spec, m.expires_at)
-        return reported
+        if knn:
+            self.knnreg.register(knn, pipe if pipe is not None else self.redis, clear)
+        return knn_ids
 
     def handle_subs_removed(self, ids: list[str]) -> None:
         """Deleted or expired subscriptions. Their history keys go too (the api deleted them

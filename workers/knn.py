@@ -367,12 +367,20 @@ class KnnState:
 
     # --- the subscriptions -----------------------------------------------------------------
     def add(self, sub: KnnSub) -> KnnSub:
-        self.remove(sub.id, keep_index=True)
+        return self.add_many([sub])[0]
+
+    def add_many(self, subs: list[KnnSub]) -> list[KnnSub]:
+        """Subscriptions (of distinct ids) in place of any held under their ids, each with its
+        first list: they search together (`PointIndex.nearest_many`)."""
+        for sub in subs:
+            self.remove(sub.id, keep_index=True)
         if self.points is None:
             self._build_index()
-        self.subs[sub.id] = sub
-        self._set_local(sub, self._search(sub))
-        return sub
+        for sub in subs:
+            self.subs[sub.id] = sub
+        for sub, found in zip(subs, self._search_many(subs), strict=True):
+            self._set_local(sub, found)
+        return subs
 
     def remove(self, sub_id: str, keep_index: bool = False) -> KnnSub | None:
         sub = self.subs.pop(sub_id, None)
@@ -388,6 +396,10 @@ class KnnState:
 
     def _build_index(self) -> None:
         """The spatial index of every object held (the first kNN subscription arrived)."""
+        # the k-d tree of many searches at once (`PointIndex.nearest_many`) is imported here,
+        # once per worker, rather than by the first partition move, which it would hold up
+        import scipy.spatial  # noqa: F401
+
         points = self.points = PointIndex(self.grid)
         for kind, source in ((MOVING, self.objects.moving), (EVENT, self.objects.events)):
             for oid, (lon, lat, kws) in source.items():
@@ -397,10 +409,22 @@ class KnnState:
 
     def _search(self, sub: KnnSub) -> list[Neighbor]:
         """The k nearest, and the subscription's bound on the others from the next one."""
+        return self._search_many([sub])[0]
+
+    def _search_many(self, subs: list[KnnSub]) -> list[list[Neighbor]]:
+        """`_search` of each subscription, together."""
         assert self.points is not None
-        found = self.points.nearest(sub.lon, sub.lat, sub.k + 1, sub.wanted, sub.radius)
-        sub.beyond = found[sub.k][0] if len(found) > sub.k else math.inf
-        return found[:sub.k]
+        if len(subs) == 1:
+            sub = subs[0]
+            found = [self.points.nearest(sub.lon, sub.lat, sub.k + 1, sub.wanted, sub.radius)]
+        else:
+            found = self.points.nearest_many([(sub.lon, sub.lat, sub.k + 1, sub.wanted,
+                                               sub.radius) for sub in subs])
+        out = []
+        for sub, near in zip(subs, found, strict=True):
+            sub.beyond = near[sub.k][0] if len(near) > sub.k else math.inf
+            out.append(near[:sub.k])
+        return out
 
     def _set_local(self, sub: KnnSub, new: list[Neighbor]) -> None:
         members, sid = self.members, sub.id
@@ -479,19 +503,24 @@ class KnnState:
             for sid in self.members.get(key, ()):
                 left.setdefault(sid, set()).add(key)
         dist = self._distances(left)
+        lost: list[KnnSub] = []
         for sid, keys in left.items():
             sub = self.subs.get(sid)
             if sub is None:
                 continue
             new = self._repair(sub, keys, dist)
             if new is None:
-                again.add(sid)
-                new = self._search(sub)
-                if new == sub.local:  # the same list, with a new bound on the others
-                    self.reach.update(sub)
-            if new != sub.local:
+                lost.append(sub)
+            elif new != sub.local:
                 self._set_local(sub, new)
                 changed[sid] = sub
+        for sub, new in zip(lost, self._search_many(lost) if lost else [], strict=True):
+            again.add(sub.id)
+            if new != sub.local:
+                self._set_local(sub, new)
+                changed[sub.id] = sub
+            else:  # the same list, with a new bound on the others
+                self.reach.update(sub)
         cands = [(key, *held[1:]) for key in placed if (held := points.get(key))]
         if cands:
             for sub, entering in self._entering(again, cands):

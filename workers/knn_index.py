@@ -53,6 +53,9 @@ def mindist_m(lon: float, lat: float, x0: F64, y0: F64, x1: F64, y1: F64,
 
 BLOCKS = (1, 3, 7, 15)  # half-sides (in cells) of the blocks a search tries before all cells
 FIRST_CELLS = 32  # then the cells nearest to the point, before all the others
+# `PointIndex.nearest_many` builds a k-d tree for at least this many queries, and one for
+# every so many points held; each query takes this many candidates beyond its k from it
+TREE_AT, TREE_POINTS_PER_QUERY, TREE_SPARE = 32, 400, 4
 
 
 def _escape_m(g: Grid, lon: float, lat: float, xa: int, ya: int, xb: int, yb: int) -> float:
@@ -88,6 +91,13 @@ def _escape_m(g: Grid, lon: float, lat: float, xa: int, ya: int, xb: int, yb: in
     return max(0.0, EARTH_RADIUS_M * min(gaps) * (1.0 - 1e-9) - _SLACK_M)
 
 
+def _unit(lon: F64, lat: F64) -> F64:
+    """Points as unit vectors (rows of x, y, z)."""
+    lam, phi = np.radians(lon), np.radians(lat)
+    cos_phi = np.cos(phi)
+    return np.stack([cos_phi * np.cos(lam), cos_phi * np.sin(lam), np.sin(phi)], axis=1)
+
+
 @functools.lru_cache(maxsize=1 << 16)
 def signature(kws: frozenset[str]) -> int:
     """The 64-bit signature of a point's keywords: the two bits (`term_mask`) of each term's
@@ -117,6 +127,10 @@ class Keywords:
 
     def accepts(self, kws: frozenset[str]) -> bool:
         return self.terms <= kws if self.match_all else not self.terms.isdisjoint(kws)
+
+
+# A search of `PointIndex.nearest_many`: lon, lat, k, keyword predicate (None: any), within (m)
+Query = tuple[float, float, int, Keywords | None, float]
 
 
 def _slot_of(cells: list[_Cell], ends: list[int], j: int) -> tuple[_Cell, int]:
@@ -295,6 +309,63 @@ class PointIndex:
             self._scan(lon, lat, k, wanted, cid, bound, others, best)
         best.sort()
         return [n for n in best if n[0] <= within] if math.isfinite(within) else best
+
+    def nearest_many(self, queries: Sequence[Query]) -> list[list[Neighbor]]:
+        """`nearest` of each query (lon, lat, k, wanted, within), the same answers. Many
+        queries without keywords (a handoff's or a registration's subscriptions) are answered
+        from one k-d tree over every point held (`_tree_many`): a search of the cells costs
+        the points of the block around the query point, which in a city are thousands. The
+        others, and those the tree's candidates cannot settle, search one by one."""
+        out: list[list[Neighbor] | None] = [None] * len(queries)
+        if not self.where:
+            return [[] for _ in queries]
+        plain = [j for j, q in enumerate(queries) if q[3] is None and q[2] > 0]
+        if len(plain) >= max(TREE_AT, len(self.where) // TREE_POINTS_PER_QUERY):
+            self._tree_many(plain, queries, out)
+        return [o if o is not None else self.nearest(*queries[j]) for j, o in enumerate(out)]
+
+    def _tree_many(self, js: list[int], queries: Sequence[Query],
+                   out: list[list[Neighbor] | None]) -> None:
+        """The queries `js` (without keywords) from a k-d tree of the points as unit vectors:
+        the chord between two of them grows with their great-circle distance, so each query's
+        nearest by chord, a few more than its k, are its candidates, and the last of them
+        bounds everything else. A query's answer goes to `out` when that bound shows nothing
+        else can enter it (a tie at the millimetre with what lies beyond: None stays)."""
+        from scipy.spatial import cKDTree  # here: its import costs 0.3 s (see KnnState)
+
+        cells = list(self.cells.values())
+        sizes = [len(c.ids) for c in cells]
+        lon = np.concatenate([c.lon[:n] for c, n in zip(cells, sizes, strict=True)])
+        lat = np.concatenate([c.lat[:n] for c, n in zip(cells, sizes, strict=True)])
+        ids = [oid for c, n in zip(cells, sizes, strict=True) for oid in c.ids[:n]]
+        keys = [key for c, n in zip(cells, sizes, strict=True) for key in c.keys[:n]]
+        live = np.flatnonzero(~np.isnan(lon))  # free slots are NaN
+        tree = cKDTree(_unit(lon[live], lat[live]))
+        by_k: dict[int, list[int]] = {}
+        for j in js:
+            by_k.setdefault(queries[j][2], []).append(j)
+        for k, rows in by_k.items():
+            spare = min(k + TREE_SPARE, live.size)
+            qlon = np.asarray([queries[j][0] for j in rows], dtype=np.float64)
+            qlat = np.asarray([queries[j][1] for j in rows], dtype=np.float64)
+            chord, found = tree.query(_unit(qlon, qlat), k=spare)
+            chord, found = chord.reshape(len(rows), spare), found.reshape(len(rows), spare)
+            at = live[found]
+            d = haversine_m(qlon[:, None], qlat[:, None], lon[at], lat[at]).tolist()
+            if spare < live.size:  # the farthest candidate's distance bounds the others
+                arc = 2.0 * EARTH_RADIUS_M * np.arcsin(np.minimum(chord[:, -1] * 0.5, 1.0))
+                beyond = np.maximum(arc * (1.0 - 1e-9) - _SLACK_M, 0.0).tolist()
+            else:
+                beyond = [math.inf] * len(rows)
+            at_all, x_all, y_all = at.tolist(), lon[at].tolist(), lat[at].tolist()
+            for r, j in enumerate(rows):
+                within = queries[j][4]
+                best = sorted([(round(dj, 3), ids[c], x, y, keys[c]) for dj, c, x, y in zip(
+                    d[r], at_all[r], x_all[r], y_all[r], strict=True)])
+                head = [n for n in best if n[0] <= within][:k]
+                last = head[-1][0] if len(head) >= k else within
+                if last + _SLACK_M < beyond[r]:
+                    out[j] = head
 
     def _scan(self, lon: float, lat: float, k: int, wanted: Keywords | None,
               cid: npt.NDArray[np.int64], bound: F64, order: npt.NDArray[np.intp],

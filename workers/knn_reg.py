@@ -123,17 +123,24 @@ class KnnRegistry:
             self.resize(tenant, sub, epoch, grow=False, kth=float(raw))
 
     # --- registrations -------------------------------------------------------------------
-    def register(self, m: wire.SubscriptionCopy, pipe: Any, clear: tuple[str, ...] = ()
+    def register(self, ms: list[wire.SubscriptionCopy], pipe: Any, clear: tuple[str, ...] = ()
                  ) -> None:
-        """A registration (new, or of a newer epoch); an older one is only reported (its
-        token is cleared) while the newer stays. `clear`: more tokens its report clears."""
+        """Registrations (new, or of a newer epoch); an older one is only reported (its
+        token is cleared) while the newer stays. `clear`: more tokens their reports clear.
+        The new ones of a tenant search together (`KnnState.add_many`)."""
         ex = self.ex
-        state = ex.knn_state(m.tenant)
-        held = state.subs.get(m.id)
-        if held is None or held.epoch < m.epoch:
-            held = state.add(knn_sub(m.id, m.spec, m.radius_m, m.epoch))
-            ex.sub_msgs[m.id] = m
-        self.report(m.tenant, [held], pipe, clear, force=True)  # clears its token
+        fresh: dict[str, dict[str, KnnSub]] = {}  # tenant -> id -> the registration to add
+        for m in ms:
+            taken = fresh.setdefault(m.tenant, {})
+            held = taken.get(m.id) or ex.knn_state(m.tenant).subs.get(m.id)
+            if held is None or held.epoch < m.epoch:
+                taken[m.id] = knn_sub(m.id, m.spec, m.radius_m, m.epoch)
+                ex.sub_msgs[m.id] = m
+        for tenant, taken in fresh.items():
+            if taken:
+                ex.knn_state(tenant).add_many(list(taken.values()))
+        for m in ms:  # each clears its token
+            self.report(m.tenant, [ex.knn[m.tenant].subs[m.id]], pipe, clear, force=True)
 
     def on_refresh(self, msg: wire.KnnRefresh, pipe: Any,
                    notify: dict[str, set[str]]) -> None:

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from app.geo.geometry import EARTH_RADIUS_M, haversine_m
 from app.geo.grid import Grid
 from app.pipeline.wire import ObjectBatch
+from workers import knn_index
 from workers.knn import MOVING, REACH_MASKS, KnnState, KnnSub, top_k
 from workers.knn_index import Keywords, PointIndex, mindist_m, signature
 
@@ -175,6 +176,43 @@ def test_nearest_on_a_dense_index_equals_brute_force(grid: Grid) -> None:
     got = [n[1] for n in index.nearest(106.0, -40.0, 3)]
     assert got == brute_nearest(106.0, -40.0, 3, ids, xs, ys)
     assert math.isfinite(index.nearest(106.0, -40.0, 1)[0][0])
+
+
+def test_many_searches_at_once_equal_brute_force_and_one_by_one(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`nearest_many` (a k-d tree's candidates) gives each query `nearest`'s answer: on a
+    dense city, points on a lattice (ties at the millimetre, broken by id), radii, k beyond
+    the points held, keywords (one by one)."""
+    rng = np.random.default_rng(11)
+    index = PointIndex(Grid())
+    pts = [(("m", str(i)), str(i), float(rng.normal(139.7, 0.08)), float(rng.normal(35.7, 0.05)),
+            frozenset({"a"} if i % 5 == 0 else ())) for i in range(15_000)]
+    # a lattice: many points at one distance from the lattice's centre
+    pts += [(("m", f"l{i}"), f"l{i}", 139.5 + 0.001 * (i % 20), 35.5 + 0.001 * (i // 20),
+             frozenset()) for i in range(400)]
+    for p in pts:
+        index.add(*p)
+    ids = [p[1] for p in pts]
+    xs, ys = np.array([p[2] for p in pts]), np.array([p[3] for p in pts])
+    queries = [(float(rng.normal(139.7, 0.1)), float(rng.normal(35.7, 0.08)),
+                int(rng.integers(1, 40)), None, math.inf) for _ in range(300)]
+    queries += [(139.5095, 35.5095, k, None, math.inf) for k in (1, 4, 5, 12, 30)]
+    queries += [(139.7, 35.7, 20, None, radius) for radius in (10.0, 300.0, 5000.0)]
+    queries += [(139.7, 35.7, 20_000, None, math.inf),
+                (139.7, 35.7, 5, Keywords(frozenset({"a"}), False), math.inf)]
+    searched: list[float] = []  # the queries the tree's candidates left to a search
+    one_by_one = PointIndex.nearest
+    monkeypatch.setattr(PointIndex, "nearest", lambda self, *q: (
+        searched.append(q[0]), one_by_one(self, *q))[1])
+    got = index.nearest_many(queries)
+    monkeypatch.undo()
+    assert 1 <= len(searched) < len(queries) // 10  # the keyword query, and a few ties
+    for (qx, qy, k, wanted, within), near in zip(queries, got, strict=True):
+        assert near == index.nearest(qx, qy, k, wanted, within)
+        if wanted is None and math.isinf(within):
+            assert [n[1] for n in near] == brute_nearest(qx, qy, k, ids, xs, ys)
+    assert got[-2] and len(got[-2]) == len(pts)
+    assert len(got[-4]) < 20 and all(n[0] <= 300.0 for n in got[-4])
 
 
 @pytest.mark.parametrize("match_all", [False, True], ids=["any", "all"])
@@ -353,12 +391,17 @@ def test_a_search_that_keeps_the_list_widens_what_it_is_told_of() -> None:
     assert [n[1] for n in sub.local] == ["c"]
 
 
-@pytest.mark.parametrize("seed", [1, 2])
-def test_lists_stay_exact_through_a_dense_random_walk(seed: int) -> None:
+@pytest.mark.parametrize("seed,together", [(1, False), (2, True)],
+                         ids=["one-by-one", "together"])
+def test_lists_stay_exact_through_a_dense_random_walk(seed: int, together: bool,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """Many lists over few objects in 10 km, with radii, keywords (any and all) and objects
     leaving: members cross their lists' k-th and bounds all the time, and every list equals
     brute force after every refresh. (This catches a bound on the others that is not lowered
-    by an arrival within a few dozen steps; the hypothesis test above did not.)"""
+    by an arrival within a few dozen steps; the hypothesis test above did not.) `together`:
+    the subscriptions are added at once, and every search of many is of the k-d tree."""
+    if together:
+        monkeypatch.setattr(knn_index, "TREE_AT", 2)
     rng = random.Random(seed)
     state = KnnState(window_s=1e9, bucket_s=1.0, grid=Grid())
     vocab = ["a", "b", "c"]
@@ -370,10 +413,16 @@ def test_lists_stay_exact_through_a_dense_random_walk(seed: int) -> None:
     for i in range(60):
         pos[i] = (_km(rng.uniform(0, 10)), _km(rng.uniform(0, 10)))
         state.upsert_moving(f"o{i}", *pos[i], words(), 1.0)
-    for j in range(25):
-        state.add(KnnSub(f"s{j}", _km(rng.uniform(0, 10)), _km(rng.uniform(0, 10)),
-                         rng.randint(1, 5), words() if j % 3 == 0 else frozenset(),
-                         rng.random() < 0.5, radius=rng.choice([math.inf, 3000.0, 6000.0])))
+    subs = [KnnSub(f"s{j}", _km(rng.uniform(0, 10)), _km(rng.uniform(0, 10)),
+                   rng.randint(1, 5), words() if j % 3 == 0 else frozenset(),
+                   rng.random() < 0.5, radius=rng.choice([math.inf, 3000.0, 6000.0]))
+            for j in range(25)]
+    if together:
+        state.add_many(subs)
+        _lists_exact(state)
+    else:
+        for sub in subs:
+            state.add(sub)
     ts = 2.0
     for _ in range(1500):
         for _ in range(rng.randint(1, 6)):
