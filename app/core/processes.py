@@ -11,8 +11,6 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-import httpx
-
 
 def die_with_parent() -> None:
     """A `preexec_fn`: the child gets SIGTERM when the thread that started it ends, even by
@@ -42,6 +40,8 @@ def stop_processes(procs: Iterable[subprocess.Popen[Any]], grace_s: float = 10.0
 def wait_until_ok(url: str, process: subprocess.Popen[Any] | None = None,
                   timeout: float = 60.0) -> bool:
     """Poll `url` until it answers 200; False on timeout or when `process` has exited."""
+    import httpx  # here: a worker imports this module, and has no other use for httpx
+
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:

@@ -6,8 +6,6 @@ import time
 from collections.abc import Collection
 
 from sqlalchemy import select
-from sqlalchemy.dialects.postgresql import insert as pg_insert
-from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -23,9 +21,17 @@ def ensure_tenant(session: Session, name: str) -> None:
         return
     dialect = session.get_bind().dialect.name
     if dialect in ("sqlite", "postgresql"):
-        insert = sqlite_insert if dialect == "sqlite" else pg_insert
-        session.execute(insert(Tenant).values(name=name, created_at=time.time())
-                        .on_conflict_do_nothing(index_elements=[Tenant.name]))
+        # the dialect's own insert, imported here: every process that imports this module
+        # (api, workers) would otherwise load both dialects, every driver of PostgreSQL's
+        # included, at start (0.1 s)
+        if dialect == "sqlite":
+            from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+            stmt = sqlite_insert(Tenant).values(name=name, created_at=time.time())
+            session.execute(stmt.on_conflict_do_nothing(index_elements=[Tenant.name]))
+        else:
+            from sqlalchemy.dialects.postgresql import insert as pg_insert
+            pg = pg_insert(Tenant).values(name=name, created_at=time.time())
+            session.execute(pg.on_conflict_do_nothing(index_elements=[Tenant.name]))
         return
     try:
         with session.begin_nested():  # elsewhere: the insert in a savepoint
