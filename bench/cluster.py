@@ -144,8 +144,11 @@ def start_server(tmp: Path, redis_url: str, database_url: str | None = None, wor
     server = LiveServer(base_url=f"http://127.0.0.1:{port}", ws_url=f"ws://127.0.0.1:{port}",
                         redis_url=redis_url, env=env, log_dir=tmp,
                         die_with_parent=die_with_parent)
-    subprocess.run([sys.executable, "-m", "app.cli", "migrate"], env=env, cwd=ROOT, check=True,
-                   capture_output=True)
+    # the schema, migrated here: a `geoswarm migrate` process would import the app again, a
+    # second of CPU for every cluster a test or benchmark starts
+    from app.core.migrate import upgrade_head
+
+    upgrade_head(Settings(database_url=env["GEOSWARM_DATABASE_URL"], data_dir=tmp))
     for i in range(workers):
         server.start_worker(f"w{i}")
     server.spawn("api", ["api", "--port", str(port), "--no-migrate",
