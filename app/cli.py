@@ -87,11 +87,11 @@ def api(
     --processes N, N processes share the listening socket (each with its own hub)."""
     import uvicorn
 
-    from app.core.migrate import upgrade_head
-
     _logging()
     settings = get_settings()
-    if migrate_db:
+    if migrate_db:  # Alembic is imported only then (0.4 s of CPU)
+        from app.core.migrate import upgrade_head
+
         upgrade_head(settings)
     uvicorn.run(
         "app.main:create_served_app", factory=True, workers=processes if processes > 1 else None,
