@@ -408,19 +408,12 @@ class KnnState:
         self._moved.clear()
         self._placed.clear()
 
-    def _search(self, sub: KnnSub) -> list[Neighbor]:
-        """The k nearest, and the subscription's bound on the others from the next one."""
-        return self._search_many([sub])[0]
-
     def _search_many(self, subs: list[KnnSub]) -> list[list[Neighbor]]:
-        """`_search` of each subscription, together."""
+        """Each subscription's k nearest, and its bound on the others from the next one,
+        searched together."""
         assert self.points is not None
-        if len(subs) == 1:
-            sub = subs[0]
-            found = [self.points.nearest(sub.lon, sub.lat, sub.k + 1, sub.wanted, sub.radius)]
-        else:
-            found = self.points.nearest_many([(sub.lon, sub.lat, sub.k + 1, sub.wanted,
-                                               sub.radius) for sub in subs])
+        found = self.points.nearest_many([(sub.lon, sub.lat, sub.k + 1, sub.wanted, sub.radius)
+                                          for sub in subs])
         out = []
         for sub, near in zip(subs, found, strict=True):
             sub.beyond = near[sub.k][0] if len(near) > sub.k else math.inf
@@ -515,7 +508,7 @@ class KnnState:
             elif new != sub.local:
                 self._set_local(sub, new)
                 changed[sid] = sub
-        for sub, new in zip(lost, self._search_many(lost) if lost else [], strict=True):
+        for sub, new in zip(lost, self._search_many(lost), strict=True):
             again.add(sub.id)
             if new != sub.local:
                 self._set_local(sub, new)
