@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import math
-from bisect import insort
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 from operator import itemgetter
@@ -574,12 +573,6 @@ class KnnState:
             if full and d >= sub.beyond:
                 return None
             moved.append((d, key[1], held[1], held[2], key))
-        if len(keys) == 1:  # the common case: one member, out of its place and back in order
-            i = sub.keys.index(next(iter(keys)))
-            out = sub.local[:i] + sub.local[i + 1:]
-            if moved:
-                insort(out, moved[0])
-            return out
         out = [n for n in sub.local if n[4] not in keys]
         out += moved
         out.sort()
