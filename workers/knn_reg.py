@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import orjson
 
-from app.core.redis import run_script
+from app.core.redis import is_pipeline, run_script
 from app.geo.geometry import circle_bbox
 from app.pipeline import knnreg, names, wire
 from app.pipeline.histories import history_housekeeping_ms
@@ -37,8 +37,9 @@ class KnnRegistry:
         self._drop = executor.redis.register_script(knnreg.DROP_WORKER_SCRIPT)
         self._leave = executor.redis.register_script(knnreg.LEAVE_SCRIPT)
         self.history = knnreg.PlanHistory()
-        # reports queued on a pipeline: (pipeline, position of the call, tenant, sub, epoch)
-        self.queued: list[tuple[Any, int, str, KnnSub, int]] = []
+        # reports queued on a pipeline: (pipeline, position of the call, position of the
+        # report in it, tenant, sub, epoch)
+        self.queued: list[tuple[Any, int, int, str, KnnSub, int]] = []
         self.resizes = {"grow": 0, "shrink": 0, "leave": 0}
         self.reports = 0  # local lists sent to the merge script
         s = executor.settings  # the history arguments of every report
@@ -51,12 +52,11 @@ class KnnRegistry:
     def report(self, tenant: str, subs: list[KnnSub], pipe: Any,
                clear: tuple[str, ...] = (), force: bool = False) -> None:
         """Each sub's local list to the merge script, on `pipe` (a pipeline: the answers are
-        read by `settle` after it executes) or on the client itself (answered at once).
-        Unless `force` (or tokens to `clear`), a list this worker holds alone is reported
-        only when the merged list could change (`_merge_could_change`)."""
-        ex = self.ex
-        direct = not hasattr(pipe, "command_stack")
-        max_len, ttl, max_age_ms, period_ms = self._history_args
+        read by `settle` after it executes) or on the client itself (answered at once); many
+        in one call (`knnreg.merge_call`). Unless `force` (or tokens to `clear`), a list this
+        worker holds alone is reported only when the merged list could change
+        (`_merge_could_change`)."""
+        taken: list[tuple[KnnSub, knnreg.Report]] = []
         for sub in subs:
             members = sub.keys  # (kind, id) of each, in order
             if not (force or clear) and sub.sole and not _merge_could_change(sub, members):
@@ -70,18 +70,23 @@ class KnnRegistry:
             # render it, if it still is
             whole = (knnreg.sole_rendering(sub.local, sub.k) if sub.sole
                      else knnreg.NO_SOLE_RENDERING)
-            at = -1 if direct else len(pipe.command_stack)
-            out = run_script(pipe, self._merge,
-                             [names.knn_key(sub.id), names.history_key(sub.id),
-                              names.history_last_key(sub.id), *self._outbox(sub.id)],
-                             [ex.id, sub.epoch, local, sub.k, max_len, ttl, tenant, max_age_ms,
-                              period_ms, knnreg.STREAM_TEMPLATE, refresh, *whole, *clear])
-            self.reports += 1
+            taken.append((sub, knnreg.Report(sub.id, sub.epoch, local, sub.k, refresh, whole)))
+        self.reports += len(taken)
+        direct = not is_pipeline(pipe)
+        outbox = self.ex.relayer is not None
+        for call in _merge_calls(taken, outbox):
+            keys, args = knnreg.merge_call(self.ex.id, tenant, self._history_args,
+                                           [r for _, r in call], outbox, clear)
             if direct:
-                self._relay(sub.id)
-                self._answer(tenant, sub, sub.epoch, out)
+                answers = self._merge(keys=keys, args=args, client=pipe)
+                self._relay(call[0][0].id)
+                for (sub, r), out in zip(call, answers, strict=True):
+                    self._answer(tenant, sub, r.epoch, out)
             else:
-                self.queued.append((pipe, at, tenant, sub, sub.epoch))
+                at = len(pipe.command_stack)
+                run_script(pipe, self._merge, keys, args)
+                self.queued += [(pipe, at, j, tenant, sub, r.epoch)
+                                for j, (sub, r) in enumerate(call)]
 
     def _outbox(self, sub_id: str) -> list[str]:
         """The outbox the kNN scripts write their messages to, with outboxes (a cluster)."""
@@ -97,15 +102,17 @@ class KnnRegistry:
         """The answers of the reports queued on `pipe`, now executed."""
         mine = [q for q in self.queued if q[0] is pipe]
         self.queued = [q for q in self.queued if q[0] is not pipe]
-        for _, at, tenant, sub, epoch in mine:
-            self._answer(tenant, sub, epoch, results[at])
+        for _, at, j, tenant, sub, epoch in mine:
+            answers = results[at]  # of the call, or the error it failed with
+            self._answer(tenant, sub, epoch,
+                         answers if isinstance(answers, Exception) else answers[j])
 
     def forget(self, pipe: Any) -> None:
         """`pipe` was discarded: its reports were never made (their lists are reported
         whole at their next change)."""
         for q in self.queued:
             if q[0] is pipe:
-                q[3].sole, q[3].reported = False, None
+                q[4].sole, q[4].reported = False, None
         self.queued = [q for q in self.queued if q[0] is not pipe]
 
     def _answer(self, tenant: str, sub: KnnSub, epoch: int, out: Any) -> None:
@@ -370,6 +377,27 @@ class KnnRegistry:
         if changed:
             self.report(msg.tenant, changed, pipe)
             notify.setdefault(msg.tenant, set()).update(s.id for s in changed)
+
+
+MERGE_CHUNK = 256  # reports per merge call at most (bounds the time Redis is busy)
+
+
+def _merge_calls(taken: list[tuple[KnnSub, knnreg.Report]], one_slot: bool
+                 ) -> list[list[tuple[KnnSub, knnreg.Report]]]:
+    """The reports of each merge call: at most MERGE_CHUNK, and of one history group when
+    `one_slot` (a Redis Cluster, where a script's keys share a hash slot)."""
+    if one_slot:
+        taken = sorted(taken, key=lambda t: names.history_tag(t[0].id))
+    calls: list[list[tuple[KnnSub, knnreg.Report]]] = []
+    for item in taken:
+        last = calls[-1] if calls else None
+        if (last is None or len(last) >= MERGE_CHUNK
+                or (one_slot and names.history_tag(last[0][0].id)
+                    != names.history_tag(item[0].id))):
+            calls.append([item])
+        else:
+            last.append(item)
+    return calls
 
 
 def _merge_could_change(sub: KnnSub, members: tuple[Hashable, ...]) -> bool:

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -85,23 +85,27 @@ local function flush(outbox)
 end
 """
 
-# KEYS[1] = gs:knn:<sub>, KEYS[2] = history stream, KEYS[3] = the history group's hash of last ids
-# (field: the stream; see HISTORY_SCRIPT), KEYS[4] = its outbox (with outboxes). ARGV[1] =
-# worker, ARGV[2] = its epoch, ARGV[3] = its local list JSON [[distance, id, lon, lat, kind]]
-# in the workers' order (`nearer`), ARGV[4] = k, ARGV[5] = maxlen, ARGV[6] = ttl, ARGV[7] =
-# tenant, ARGV[8] = the history's max age (ms), ARGV[9] = its housekeeping period (ms; see
-# `append_history`), ARGV[10] = `STREAM_TEMPLATE`, ARGV[11] = the packed `wire.KnnRefresh` of
-# this subscription and epoch (sent to a sole holder that must report again); ARGV[12..15] =
-# the list's first k as pushed (`sole_rendering`: the neighbours' JSON, their ids joined by
-# NUL, how many, the k-th distance or ''), or four empty strings: taken as the merged list
-# when the reporter holds the registration alone, so that the merge decodes, sorts and
-# encodes nothing then (a worker holds most lists alone); ARGV[16..] = tokens this report
-# clears. Numbers the merge renders itself have 17 significant digits (cjson's encoding keeps
-# 14): they read back as the very doubles the workers' JSON gives (in its shortest form).
-# Returns {status, kth, sole}: status 1 = a new list was pushed, 0 = nothing changed or
-# waiting, -1 = the report's epoch is stale, 2 = fewer than k within the radius (grow), 3 =
-# the k-th is far inside the radius (shrink); kth as a string; sole 1 when the reporter is
-# now the only holder (`_l:`).
+# One report, `merge(KEYS, ARGV)` below: KEYS[1] = gs:knn:<sub>, KEYS[2] = history stream,
+# KEYS[3] = the history group's hash of last ids (field: the stream; see HISTORY_SCRIPT),
+# KEYS[4] = its outbox (with outboxes). ARGV[1] = worker, ARGV[2] = its epoch, ARGV[3] = its
+# local list JSON [[distance, id, lon, lat, kind]] in the workers' order (`nearer`), ARGV[4] =
+# k, ARGV[5] = maxlen, ARGV[6] = ttl, ARGV[7] = tenant, ARGV[8] = the history's max age (ms),
+# ARGV[9] = its housekeeping period (ms; see `append_history`), ARGV[10] = `STREAM_TEMPLATE`,
+# ARGV[11] = the packed `wire.KnnRefresh` of this subscription and epoch (sent to a sole
+# holder that must report again); ARGV[12..15] = the list's first k as pushed
+# (`sole_rendering`: the neighbours' JSON, their ids joined by NUL, how many, the k-th
+# distance or ''), or four empty strings: taken as the merged list when the reporter holds
+# the registration alone, so that the merge decodes, sorts and encodes nothing then (a worker
+# holds most lists alone); ARGV[16..] = tokens this report clears. Numbers the merge renders
+# itself have 17 significant digits (cjson's encoding keeps 14): they read back as the very
+# doubles the workers' JSON gives (in its shortest form). Returns {status, kth, sole}: status
+# 1 = a new list was pushed, 0 = nothing changed or waiting, -1 = the report's epoch is
+# stale, 2 = fewer than k within the radius (grow), 3 = the k-th is far inside the radius
+# (shrink); kth as a string; sole 1 when the reporter is now the only holder (`_l:`).
+#
+# MERGE_SCRIPT makes many reports of one worker in one call (`merge_call` lays out its keys
+# and arguments): a worker's step reports tens of lists, and one call each sent the script's
+# text, which Redis hashed, every time.
 MERGE_SCRIPT = APPEND_HISTORY_LUA + STREAM_OF_LUA + SEND_LUA + """
 local function before(a, b)  -- bytewise: UTF-8 in code point order, as the workers order ids
   for i = 1, math.min(#a, #b) do
@@ -117,87 +121,107 @@ local function nearer(a, b)  -- as the workers order their lists: distance, id, 
   if a[4] ~= b[4] then return a[4] < b[4] end
   return (a[5] or 0) < (b[5] or 0)
 end
-local e = redis.call('HGET', KEYS[1], '_e')
-if not e then return {0, '', 0} end
-for i = 16, #ARGV do redis.call('HDEL', KEYS[1], ARGV[i]) end
-if ARGV[2] ~= e then
-  if tonumber(ARGV[2]) < tonumber(e) then return {-1, '', 0} end
-  return {0, '', 0}
-end
-local me = ARGV[1]
-redis.call('HSET', KEYS[1], me, ARGV[3])
-redis.call('HDEL', KEYS[1], '_p:' .. me)
-redis.call('EXPIRE', KEYS[1], 30 * 24 * 3600)
-local k = tonumber(ARGV[4])
-local lists = {}
-local waiting, alone = false, true
-local fields = redis.call('HGETALL', KEYS[1])
-for i = 1, #fields, 2 do
-  local f = fields[i]
-  if string.sub(f, 1, 1) == '_' then
-    local t = string.sub(f, 1, 3)
-    if (t == '_p:' or t == '_h:') and fields[i + 1] == e then
-      waiting, alone = true, false
-    elseif t == '_l:' and fields[i + 1] == e and f ~= '_l:' .. me then
-      -- another sole holder's distances may be old: it reports again before any merge
-      local w = string.sub(f, 4)
-      redis.call('HDEL', KEYS[1], f)
-      redis.call('HSET', KEYS[1], '_p:' .. w, e)
-      send(KEYS[4], stream_of(ARGV[10], w), ARGV[11])
-      waiting, alone = true, false
+local function merge(KEYS, ARGV)
+  local e = redis.call('HGET', KEYS[1], '_e')
+  if not e then return {0, '', 0} end
+  for i = 16, #ARGV do redis.call('HDEL', KEYS[1], ARGV[i]) end
+  if ARGV[2] ~= e then
+    if tonumber(ARGV[2]) < tonumber(e) then return {-1, '', 0} end
+    return {0, '', 0}
+  end
+  local me = ARGV[1]
+  redis.call('HSET', KEYS[1], me, ARGV[3])
+  redis.call('HDEL', KEYS[1], '_p:' .. me)
+  redis.call('EXPIRE', KEYS[1], 30 * 24 * 3600)
+  local k = tonumber(ARGV[4])
+  local lists = {}
+  local waiting, alone = false, true
+  local fields = redis.call('HGETALL', KEYS[1])
+  for i = 1, #fields, 2 do
+    local f = fields[i]
+    if string.sub(f, 1, 1) == '_' then
+      local t = string.sub(f, 1, 3)
+      if (t == '_p:' or t == '_h:') and fields[i + 1] == e then
+        waiting, alone = true, false
+      elseif t == '_l:' and fields[i + 1] == e and f ~= '_l:' .. me then
+        -- another sole holder's distances may be old: it reports again before any merge
+        local w = string.sub(f, 4)
+        redis.call('HDEL', KEYS[1], f)
+        redis.call('HSET', KEYS[1], '_p:' .. w, e)
+        send(KEYS[4], stream_of(ARGV[10], w), ARGV[11])
+        waiting, alone = true, false
+      end
+    else
+      if f ~= me then alone = false end
+      lists[#lists + 1] = fields[i + 1]
     end
+  end
+  flush(KEYS[4])
+  local sole = 0
+  if alone then
+    redis.call('HSET', KEYS[1], '_l:' .. me, e)
+    sole = 1
   else
-    if f ~= me then alone = false end
-    lists[#lists + 1] = fields[i + 1]
+    redis.call('HDEL', KEYS[1], '_l:' .. me)
   end
-end
-flush(KEYS[4])
-local sole = 0
-if alone then
-  redis.call('HSET', KEYS[1], '_l:' .. me, e)
-  sole = 1
-else
-  redis.call('HDEL', KEYS[1], '_l:' .. me)
-end
-if waiting then return {0, '', sole} end
-local count, kth, key, payload
-if alone and ARGV[12] ~= '' then
-  count, kth, key, payload = tonumber(ARGV[14]), ARGV[15], ARGV[13], ARGV[12]
-else
-  local all = {}
-  for _, list in ipairs(lists) do
-    for _, n in ipairs(cjson.decode(list)) do all[#all + 1] = n end
-  end
-  table.sort(all, nearer)
-  local top, ids, seen, last = {}, {}, {}, 0
-  for _, n in ipairs(all) do
-    if #top >= k then break end
-    local held = (n[5] or 0) .. ':' .. n[2]
-    if not seen[held] then
-      -- an object handed off may be listed by its sender and its receiver for a moment
-      seen[held] = true
-      top[#top + 1] = '{"id":' .. cjson.encode(n[2]) .. string.format(
-        ',"lon":%.17g,"lat":%.17g,"distance_m":%.17g}', n[3], n[4], n[1])
-      ids[#ids + 1] = n[2]
-      last = n[1]
+  if waiting then return {0, '', sole} end
+  local count, kth, key, payload
+  if alone and ARGV[12] ~= '' then
+    count, kth, key, payload = tonumber(ARGV[14]), ARGV[15], ARGV[13], ARGV[12]
+  else
+    local all = {}
+    for _, list in ipairs(lists) do
+      for _, n in ipairs(cjson.decode(list)) do all[#all + 1] = n end
     end
+    table.sort(all, nearer)
+    local top, ids, seen, last = {}, {}, {}, 0
+    for _, n in ipairs(all) do
+      if #top >= k then break end
+      local held = (n[5] or 0) .. ':' .. n[2]
+      if not seen[held] then
+        -- an object handed off may be listed by its sender and its receiver for a moment
+        seen[held] = true
+        top[#top + 1] = '{"id":' .. cjson.encode(n[2]) .. string.format(
+          ',"lon":%.17g,"lat":%.17g,"distance_m":%.17g}', n[3], n[4], n[1])
+        ids[#ids + 1] = n[2]
+        last = n[1]
+      end
+    end
+    count, kth = #top, ''
+    if count >= k then kth = string.format('%.17g', last) end
+    key, payload = table.concat(ids, '\\0'), '[' .. table.concat(top, ',') .. ']'
   end
-  count, kth = #top, ''
-  if count >= k then kth = string.format('%.17g', last) end
-  key, payload = table.concat(ids, '\\0'), '[' .. table.concat(top, ',') .. ']'
+  local r = tonumber(redis.call('HGET', KEYS[1], '_r') or '-1')
+  if count < k and r >= 0 then return {2, '', sole} end
+  local want = 0
+  if count >= k and (r < 0 or tonumber(kth) * 4 < r) then want = 3 end
+  if redis.call('HGET', KEYS[1], '_merged') == key then return {want, kth, sole} end
+  redis.call('HSET', KEYS[1], '_merged', key)
+  local prev = redis.call('HGET', KEYS[3], KEYS[2]) or '0-0'
+  local id = append_history(KEYS[2], prev, ARGV[5], ARGV[8], ARGV[6], ARGV[9], 'k', payload,
+                            't', ARGV[7], 'p', prev)
+  redis.call('HSET', KEYS[3], KEYS[2], id)
+  if want == 3 then return {3, kth, sole} end
+  return {1, kth, sole}
 end
-local r = tonumber(redis.call('HGET', KEYS[1], '_r') or '-1')
-if count < k and r >= 0 then return {2, '', sole} end
-local want = 0
-if count >= k and (r < 0 or tonumber(kth) * 4 < r) then want = 3 end
-if redis.call('HGET', KEYS[1], '_merged') == key then return {want, kth, sole} end
-redis.call('HSET', KEYS[1], '_merged', key)
-local prev = redis.call('HGET', KEYS[3], KEYS[2]) or '0-0'
-local id = append_history(KEYS[2], prev, ARGV[5], ARGV[8], ARGV[6], ARGV[9], 'k', payload,
-                          't', ARGV[7], 'p', prev)
-redis.call('HSET', KEYS[3], KEYS[2], id)
-if want == 3 then return {3, kth, sole} end
-return {1, kth, sole}
+-- the call: KEYS = each report's keys (ARGV[8] of them each); ARGV[1..7] = worker, maxlen, ttl,
+-- tenant, max age, housekeeping period, STREAM_TEMPLATE; ARGV[8] = keys per report; ARGV[9] =
+-- c, the tokens every report clears, ARGV[10..9+c]; then 8 per report: epoch, local list, k,
+-- refresh, and the four of the rendering. Returns each report's answer, in order.
+local per, nclear = tonumber(ARGV[8]), tonumber(ARGV[9])
+local first = 10 + nclear
+local out = {}
+for s = 0, (#ARGV - first + 1) / 8 - 1 do
+  local a, ka = first + s * 8, s * per
+  local argv = {ARGV[1], ARGV[a], ARGV[a + 1], ARGV[a + 2], ARGV[2], ARGV[3], ARGV[4], ARGV[5],
+                ARGV[6], ARGV[7], ARGV[a + 3], ARGV[a + 4], ARGV[a + 5], ARGV[a + 6],
+                ARGV[a + 7]}
+  for i = 1, nclear do argv[15 + i] = ARGV[9 + i] end
+  local keys = {KEYS[ka + 1], KEYS[ka + 2], KEYS[ka + 3]}
+  if per == 4 then keys[4] = KEYS[ka + 4] end
+  out[s + 1] = merge(keys, argv)
+end
+return out
 """
 
 NO_SOLE_RENDERING: tuple[bytes, str, int, str] = (b"", "", 0, "")
@@ -212,6 +236,39 @@ def sole_rendering(local: list[tuple[float, str, float, float, Any]], k: int
                           for d, oid, x, y, _ in head]),
             "\0".join([n[1] for n in head]), len(head),
             repr(head[-1][0]) if len(head) >= k else "")
+
+
+class Report(NamedTuple):
+    """One report of a local list to MERGE_SCRIPT: the subscription, the reporter's epoch of
+    it, its local list (JSON), k, its packed `wire.KnnRefresh` and its `sole_rendering` (or
+    NO_SOLE_RENDERING)."""
+
+    sub: str
+    epoch: int
+    local: bytes
+    k: int
+    refresh: bytes
+    rendering: tuple[bytes, str, int, str]
+
+
+def merge_call(worker: str, tenant: str, history: tuple[int, int, int, int],
+               reports: list[Report], outbox: bool, clear: tuple[str, ...] = ()
+               ) -> tuple[list[str], list[Any]]:
+    """MERGE_SCRIPT's keys and arguments for `reports` of `worker` (of one history group, on a
+    Redis Cluster: a script's keys share a hash slot), each clearing the tokens `clear`.
+    `history`: the history streams' maxlen, ttl, max age (ms) and housekeeping period (ms);
+    `outbox`: the messages to workers go to the history group's outbox (`names`)."""
+    max_len, ttl, max_age_ms, period_ms = history
+    keys: list[str] = []
+    args: list[Any] = [worker, max_len, ttl, tenant, max_age_ms, period_ms, STREAM_TEMPLATE,
+                       4 if outbox else 3, len(clear), *clear]
+    for r in reports:
+        stream, last = names.history_keys(r.sub)
+        keys += [names.knn_key(r.sub), stream, last]
+        if outbox:
+            keys.append(names.history_outbox(r.sub))
+        args += [r.epoch, r.local, r.k, r.refresh, *r.rendering]
+    return keys, args
 
 
 # A resize: KEYS[1] = gs:knn:<sub>, KEYS[2] = its history group's outbox (with outboxes).

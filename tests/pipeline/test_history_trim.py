@@ -54,22 +54,22 @@ def test_knn_histories_lose_their_old_entries_as_they_grow(redis_db: str) -> Non
     merge = store.register_script(knnreg.MERGE_SCRIPT)
     sid = "k1"
     store.hset(names.knn_key(sid), mapping={"_e": "1", "_r": "-1"})
-    keys = [names.knn_key(sid), names.history_key(sid), names.history_last_key(sid)]
+    history = names.history_key(sid)
 
     def report(i: int) -> bool:
         """Whether a new list was pushed (1; 3: pushed, and the radius could shrink)."""
         local = orjson.dumps([[float(i), f"o{i}", 0.0, 0.0, 0]])
-        status, _, _ = merge(keys=keys, args=["w0", 1, local, 1, 10_000, 3600, "t", AGE_MS,
-                                              history_housekeeping_ms(AGE_MS / 1000),
-                                              knnreg.STREAM_TEMPLATE, b"refresh",
-                                              *knnreg.NO_SOLE_RENDERING])
+        keys, args = knnreg.merge_call(
+            "w0", "t", (10_000, 3600, AGE_MS, history_housekeeping_ms(AGE_MS / 1000)),
+            [knnreg.Report(sid, 1, local, 1, b"refresh", knnreg.NO_SOLE_RENDERING)], False)
+        ((status, _, _),) = merge(keys=keys, args=args)
         return int(status) in (1, 3)
 
     assert all(report(i) for i in range(300))  # each a new list
-    assert store.xlen(keys[1]) == 300
+    assert store.xlen(history) == 300
     time.sleep(AGE_MS / 1000 * 2)
     assert report(300)
-    assert store.xlen(keys[1]) <= 101, store.xlen(keys[1])
+    assert store.xlen(history) <= 101, store.xlen(history)
 
 
 def _history_appender(store: redis.Redis, tenant: str, period_ms: int = 10_000,

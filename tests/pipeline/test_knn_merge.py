@@ -36,15 +36,17 @@ class Merge:
         """(status, kth, sole) of a worker's report of its list of neighbours [(distance, id,
         lon, lat, (kind, id))], with its own rendering when `sole` (as a worker that held it
         alone at its last report sends it)."""
-        refresh = wire.encode_entry(wire.KnnRefresh(tenant=TENANT, ids=[self.sub],
-                                                    epoch=epoch))
-        rendering = (knnreg.sole_rendering(local, k) if sole else knnreg.NO_SOLE_RENDERING)
-        out: list[Any] = self.script(
-            keys=[self.key, names.history_key(self.sub), names.history_last_key(self.sub)],
-            args=[worker, epoch, orjson.dumps([[d, i, x, y, key[0]] for d, i, x, y, key in local]),
-                  k, 1000, 3600, TENANT, 60_000, history_housekeeping_ms(60),
-                  knnreg.STREAM_TEMPLATE, refresh, *rendering])
-        return int(out[0]), out[1].decode(), int(out[2])
+        (out,) = self.call(worker, [report_of(self.sub, epoch, local, k, sole)])
+        return out
+
+    def call(self, worker: str, reports: list[knnreg.Report], clear: tuple[str, ...] = ()
+             ) -> list[tuple[int, str, int]]:
+        """(status, kth, sole) of each of `reports` of a worker, made in one call."""
+        keys, args = knnreg.merge_call(worker, TENANT, (1000, 3600, 60_000,
+                                                        history_housekeeping_ms(60)),
+                                       reports, False, clear)
+        out: list[Any] = self.script(keys=keys, args=args)
+        return [(int(o[0]), o[1].decode(), int(o[2])) for o in out]
 
     def lists(self) -> list[Any]:
         """The lists pushed to the subscription's history, oldest first."""
@@ -62,6 +64,17 @@ class Merge:
     def refreshes(self, worker: str) -> list[wire.WorkerEntry]:
         return [wire.decode_entry(f[b"m"])
                 for _id, f in self.store.xrange(names.worker_stream(worker))]
+
+
+def report_of(sub: str, epoch: int, local: list[tuple[float, str, float, float, tuple[int, str]]],
+              k: int, sole: bool = False) -> knnreg.Report:
+    """A worker's report of its list of neighbours [(distance, id, lon, lat, (kind, id))],
+    with its own rendering when `sole` (as a worker that held it alone at its last report
+    sends it)."""
+    return knnreg.Report(
+        sub, epoch, orjson.dumps([[d, i, x, y, key[0]] for d, i, x, y, key in local]), k,
+        wire.encode_entry(wire.KnnRefresh(tenant=TENANT, ids=[sub], epoch=epoch)),
+        knnreg.sole_rendering(local, k) if sole else knnreg.NO_SOLE_RENDERING)
 
 
 def test_a_sole_holder_is_told_and_reports_again_when_another_joins(redis_db: str) -> None:
@@ -173,3 +186,36 @@ def test_a_sole_holders_own_rendering_is_the_merged_list_and_a_merge_renders_the
     assert report(whole, local, sole=True) == (1, 10.0, 0)
     assert whole.lists()[-1] == [{"id": "c", "lon": 2.0, "lat": 3.0, "distance_m": 5.0},
                                  *want[:3]]
+
+
+def test_many_reports_in_one_call_answer_as_one_by_one(redis_db: str) -> None:
+    """A worker's step reports many lists in one call: each report is answered as it would
+    be alone (pushed, waiting for a token, of a stale epoch, of no registration), in order,
+    and the tokens the call clears are cleared on each hash."""
+    subs = ["s-new", "s-wait", "s-stale", "s-gone", "s-sole"]
+    m = {sid: Merge(redis_db, sid) for sid in subs}
+    m["s-new"].store.hset(m["s-new"].key, mapping=knnreg.register_fields(1, 50.0, ["w0"]))
+    m["s-wait"].store.hset(m["s-wait"].key,
+                           mapping=knnreg.register_fields(1, 50.0, ["w0", "w1"]))
+    m["s-stale"].store.hset(m["s-stale"].key,
+                            mapping=knnreg.register_fields(2, 50.0, ["w0"]))
+    m["s-sole"].store.hset(m["s-sole"].key, mapping=knnreg.register_fields(1, 50.0, ["w0"]))
+    assert m["s-sole"].report("w0", 1, [(10.0, "a"), (20.0, "b")]) == (1, 1)
+    token = knnreg.hold_field(9, "w0")
+    for sid in subs:
+        m[sid].store.hset(m[sid].key, token, "1")  # a hold the call clears
+    near = [(10.0, "a", 1.0, 2.0, (0, "a")), (20.0, "b", 1.5, 2.5, (0, "b"))]
+    answers = m["s-new"].call("w0", [
+        report_of("s-new", 1, near, 2), report_of("s-wait", 1, near, 2),
+        report_of("s-stale", 1, near, 2), report_of("s-gone", 1, near, 2),
+        report_of("s-sole", 1, near[:1] + [(15.0, "c", 0.0, 0.0, (0, "c"))], 2, sole=True)],
+        clear=(token,))
+    assert [(status, sole) for status, _kth, sole in answers] == [
+        (1, 1), (0, 0), (-1, 0), (0, 0), (1, 1)]
+    assert float(answers[0][1]) == 20.0 and float(answers[4][1]) == 15.0
+    assert m["s-new"].pushed() == [["a", "b"]] and m["s-wait"].pushed() == []
+    assert m["s-stale"].pushed() == [] and m["s-gone"].pushed() == []
+    assert m["s-sole"].pushed() == [["a", "b"], ["a", "c"]]
+    for sid in ("s-new", "s-wait", "s-stale", "s-sole"):
+        assert m[sid].field(token) is None, sid
+    assert m["s-wait"].field("w0") is not None  # its list waits in the hash for w1's
