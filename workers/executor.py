@@ -927,6 +927,11 @@ class Executor:
                 run_script(pipe, self._history, keys,
                            [bucket, tenant, self.settings.history_max_len, ttl,
                             max_age_ms, housekeeping_ms, *args])
+        if self.relayer is None:
+            # the lists changed are announced by the transaction that writes them (a round
+            # trip less; an outbox's commit holds no PUBLISH)
+            self._announce(pipe, notify)
+            notify = {}
         writing = time.perf_counter()
         results = pipe.execute()
         self.hops.observe("write", time.perf_counter() - writing, objects)
@@ -1037,10 +1042,14 @@ class Executor:
                 wire.HistoryAppended(
                     tenant=tenant, bucket=bucket, entries=entries, records=stored,
                     sent_at=sent_at, written_at=written_at)))
+        self._announce(pipe, notify)
+        pipe.execute()
+
+    def _announce(self, pipe: Any, notify: dict[str, set[str]]) -> None:
+        """Tell the hubs which subscriptions of each tenant have new lists (kNN)."""
         for tenant, subs in notify.items():
             pipe.execute_command("PUBLISH", self.notify_channel, wire.encode_notification(
                 wire.SubsChanged(tenant=tenant, subs=sorted(subs))))
-        pipe.execute()
 
     def _delivery_counts(self, ids: list[bytes]) -> dict[bytes, int]:
         if not ids:
@@ -1249,16 +1258,13 @@ class Executor:
     # --- SWARM statistics (§4.2, kept by the ledger) ------------------------------------
     def _count_objects(self, batch: wire.ObjectBatch) -> None:
         """New objects (not exit-only copies) into the ledger."""
-        xo = np.asarray(batch.exit_only, dtype=bool)
-        keep = np.flatnonzero(~xo)
-        self.round_received += int(keep.size)
-        if not keep.size or self.replicated or not self.ledger.stats:
-            return
-        assert self.index is not None
-        lon = np.asarray(batch.lon, dtype=np.float64)[keep]
-        lat = np.asarray(batch.lat, dtype=np.float64)[keep]
-        self.ledger.add_objects(*self.index.grid.cells_of(lon, lat),
-                                bucket=int(time.time() // self.settings.bucket_s))
+        lon, lat = batch.lon, batch.lat
+        if any(batch.exit_only):
+            keep = [i for i, xo in enumerate(batch.exit_only) if not xo]
+            lon, lat = [lon[i] for i in keep], [lat[i] for i in keep]
+        self.round_received += len(lon)
+        if not self.replicated:
+            self.ledger.add_points(lon, lat, bucket=int(time.time() // self.settings.bucket_s))
 
     def _expire_window(self, now: float) -> None:
         """Objects that left the window decrement N (§4.2.2), and their records go to the

@@ -188,13 +188,32 @@ def watch_fence(pipe: Any, worker: str, epoch: int) -> None:
     """Start a transaction that commits only while `epoch` is still the fence of `worker`'s
     stream: WATCH the key, then check it (a change before the WATCH is seen by the check, one
     after it fails the EXEC). Raises Fenced when it is no longer ours."""
-    key = names.fence_key(worker)
-    pipe.watch(key)
-    current = int(pipe.get(key) or 0)
+    current = int(_watch_and_get(pipe, names.fence_key(worker)) or 0)
     if current != epoch:
         pipe.reset()
         raise _fenced(worker, current, epoch)
     pipe.multi()
+
+
+def _watch_and_get(pipe: Any, key: str) -> Any:
+    """WATCH `key` on the transaction's connection and read it: both written at once on a
+    plain pipeline (one round trip of a worker's step less: a blocking wait and a wake-up,
+    about as costly on a busy machine as a tenth of the step's own work), one after the
+    other on the others (a Redis Cluster's, an outbox's)."""
+    if type(pipe) is not redis.client.Pipeline:
+        pipe.watch(key)
+        return pipe.get(key)
+    plain: Any = pipe  # (redis-py's connection methods are untyped)
+    conn: Any = plain.connection
+    if conn is None:
+        conn = plain.connection = plain.connection_pool.get_connection()
+    try:
+        conn.send_packed_command(conn.pack_commands([("WATCH", key), ("GET", key)]))
+        plain.parse_response(conn, "WATCH")  # the pipeline is watching from here
+        return plain.parse_response(conn, "GET")
+    except (redis.ConnectionError, redis.TimeoutError):
+        conn.disconnect()
+        raise
 
 
 def check_fence(client: Any, worker: str, epoch: int) -> None:

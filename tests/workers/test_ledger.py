@@ -108,3 +108,44 @@ def test_handoff_carries_window_counts_and_queries() -> None:
     assert q_deleted == pytest.approx(q_none)
     receiver.expire(horizon=10**9)
     assert total_n(receiver) == pytest.approx(0)
+
+
+def test_points_counted_later_give_the_same_statistics_and_window() -> None:
+    """A worker adds each step's points (`add_points`), counted only when something reads the
+    ledger: the statistics, window and split children are those of counting each batch at
+    once (`add_objects`), across buckets, folds, a split and an export."""
+    rng = np.random.default_rng(7)
+    now, later = ledger_of_w0()[0], ledger_of_w0()[0]
+    for r in range(3):
+        for b in range(40):
+            lon, lat = rng.uniform(-179, -1, 30), rng.uniform(-80, 80, 30)
+            bucket = 2 * r + (b >= 20)  # two buckets a round
+            now.add_objects(*GRID.cells_of(lon, lat), bucket=bucket)
+            later.add_points(lon.tolist(), lat.tolist(), bucket=bucket)
+        assert later._points  # waiting
+        if r < 2:
+            now.fold()
+            later.fold()
+
+    def state(e: SwarmLedger) -> list[object]:
+        e.compact()
+        window = [(p.bucket, p.arrived, p.cx.tolist(), p.cy.tolist(), p.n.tolist())
+                  for p in e.window]
+        stats = [(pid, st.rows.N.tolist(), st.cols.N.tolist(), st.rows.N_new.tolist(),
+                  st.rows.R.tolist()) for pid, st in sorted(e.stats.items())]
+        return [window, stats]
+
+    assert state(later) == state(now)
+    lon, lat = rng.uniform(-179, -1, 50), rng.uniform(-80, 80, 50)
+    now.add_objects(*GRID.cells_of(lon, lat), bucket=9)
+    later.add_points(lon.tolist(), lat.tolist(), bucket=9)
+    index = GlobalIndex(initial_plan(GRID, ["w0", "w1"]))
+    split = balance.Split("x", 40, "high", 0.0)
+    index = GlobalIndex(balance.apply_split(index.plan, "p0", split, "w0", iter(["p7", "p8"])))
+    for e in (now, later):
+        e.sync(index, [p for p in index.partitions if p.worker == "w0"])
+    assert state(later) == state(now)
+    later.add_points([-100.0], [10.0], bucket=10)  # waiting when the export reads
+    now.add_objects(*GRID.cells_of([-100.0], [10.0]), bucket=10)
+    exported = [e.export_window(lambda x, y: x < 50, e.empty_masks()) for e in (later, now)]
+    assert exported[0] == exported[1] and exported[0][-1][0] == 10
