@@ -34,6 +34,10 @@ MAX_REACH_CELLS = 256  # a list reaching over more cells is registered in coarse
 # region reaches far); one covering more even at the coarsest is checked against every
 # arrival.
 REACH_LEVELS = (1, 8, 64)
+# `Reach.pairs` of at most this many arrivals looks them up one by one. Measured over 10 000
+# lists and 100 000 objects near cities: 0.06 against 0.18 ms for 20 arrivals, 1.6 against
+# 2.0 ms for 1 000, 2.9 against 2.3 ms for 2 000.
+FEW_ARRIVALS = 1000
 # A list's keyword predicate as up to this many signature masks (`Keywords.signatures`): an
 # arrival passes when its signature holds every bit of one of them. With more terms than this
 # (any of them), every arrival passes, and the predicate itself decides.
@@ -231,6 +235,8 @@ class Reach:
     def pairs(self, lon: npt.NDArray[np.float64], lat: npt.NDArray[np.float64]
               ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
         """(slot, arrival index) of every pair to check."""
+        if len(lon) <= FEW_ARRIVALS:
+            return self._pairs_of_few(lon, lat)
         si: list[npt.NDArray[np.int64]] = []
         ci: list[npt.NDArray[np.int64]] = []
         cx, cy = self.grid.cells_of(lon, lat)
@@ -264,6 +270,33 @@ class Reach:
             empty = np.zeros(0, dtype=np.int64)
             return empty, empty
         return np.concatenate(si), np.concatenate(ci)
+
+    def _pairs_of_few(self, lon: npt.NDArray[np.float64], lat: npt.NDArray[np.float64]
+                      ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+        """`pairs` for a few arrivals (a step's, under a steady load): each arrival's reach
+        cell of each level looked up one by one, cheaper then than the sorting and grouping
+        of the arrivals by cell, whose numpy calls cost nearly as much for 20 arrivals as
+        for hundreds."""
+        cx, cy = self.grid.cells_of(lon, lat)
+        levels = [level for level in range(len(REACH_LEVELS)) if self.per_level[level]]
+        cells = self.cells
+        held: list[npt.NDArray[np.int64]] = []
+        rows: list[int] = []
+        for j, (x, y) in enumerate(zip(cx.tolist(), cy.tolist(), strict=True)):
+            for level in levels:
+                c = self._key(level, x, y)
+                if c in cells:
+                    held.append(self._slots(c))
+                    rows.append(j)
+        if self.wide:
+            wide = self._slots(-1)
+            held += [wide] * len(lon)
+            rows += range(len(lon))
+        if not held:
+            empty = np.zeros(0, dtype=np.int64)
+            return empty, empty
+        counts = np.fromiter(map(len, held), dtype=np.int64, count=len(held))
+        return np.concatenate(held), np.repeat(np.asarray(rows, dtype=np.int64), counts)
 
 
 class KnnState:

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from app.geo.geometry import EARTH_RADIUS_M, haversine_m
 from app.geo.grid import Grid
 from app.pipeline.wire import ObjectBatch
-from workers import knn_index
+from workers import knn, knn_index
 from workers.knn import MOVING, REACH_MASKS, KnnState, KnnSub, top_k
 from workers.knn_index import Keywords, PointIndex, mindist_m, signature
 
@@ -313,6 +313,35 @@ def test_lists_reaching_far_are_registered_in_coarser_cells() -> None:
         state.refresh()
         for sub in state.subs.values():
             assert [n[:4] for n in sub.local] == top_k(state.objects, sub), (step, sub.id)
+
+
+def test_pairs_of_a_few_arrivals_equal_those_of_a_batch(monkeypatch: pytest.MonkeyPatch
+                                                         ) -> None:
+    """`Reach.pairs` looks a few arrivals up one by one and groups a large batch by cell: the
+    same (list, arrival) pairs, with lists registered at every level and wide ones."""
+    rng = np.random.default_rng(3)
+    state = KnnState(window_s=10.0, bucket_s=1.0, grid=Grid())
+    for i in range(300):  # dense around two points, sparse elsewhere
+        x, y = ((rng.normal(2.0, 0.3), rng.normal(48.0, 0.3)) if i < 250
+                else (rng.uniform(-170, 170), rng.uniform(-70, 70)))
+        state.upsert_moving(f"m{i}", float(x), float(y), frozenset(), 1.0)
+    for j in range(120):
+        x, y = ((rng.normal(2.0, 0.5), rng.normal(48.0, 0.5)) if j < 80
+                else (rng.uniform(-170, 170), rng.uniform(-70, 70)))
+        state.add(KnnSub(f"s{j}", float(x), float(y), int(rng.integers(1, 12)), frozenset(),
+                         False))
+    state.add(KnnSub("all", 60.0, -30.0, 1000, frozenset(), False))  # fewer than k: wide
+    state.refresh()
+    reach = state.reach
+    assert all(n > 0 for n in reach.per_level) and reach.wide, reach.per_level
+    lon = np.concatenate([rng.normal(2.0, 0.5, 150), rng.uniform(-179, 179, 50)])
+    lat = np.concatenate([rng.normal(48.0, 0.5, 150), rng.uniform(-80, 80, 50)])
+    few = reach.pairs(lon, lat)
+    monkeypatch.setattr(knn, "FEW_ARRIVALS", 0)
+    batch = reach.pairs(lon, lat)
+    assert few[0].size > 1000
+    assert sorted(zip(*map(np.ndarray.tolist, few), strict=True)) == sorted(
+        zip(*map(np.ndarray.tolist, batch), strict=True))
 
 
 def _km(x: float) -> float:
