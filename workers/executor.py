@@ -554,7 +554,7 @@ class Executor:
         adopted = {a.stream: ">" for a in self.adoptions.values()}
         # A report of the counts that is due does not wait behind an idle stream.
         block = 1000 if not self.straight else 10
-        if self.records.changed:
+        if self.records.has_changes():
             wait = COUNTS_REPORT_S - (time.time() - self.reported[1])
             block = max(1, min(block, int(wait * 1000) + 1))
         count = self.read_count
@@ -600,7 +600,7 @@ class Executor:
         if self.subs.changed and now - self.summaries_at >= SUMMARY_S:
             self._write_summaries(now)
         if now - self.reported[1] >= COUNTS_REPORT_S or (
-                not self.records.changed and self.processed_id != self.reported[0]):
+                not self.records.has_changes() and self.processed_id != self.reported[0]):
             # counts at most every COUNTS_REPORT_S; a mark alone (entries without records,
             # such as query parts) at once
             self._report_counts(now)

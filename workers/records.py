@@ -1189,6 +1189,9 @@ class TenantRecords:
         return best
 
 
+PENDING_ROWS = 20_000  # records added and not stored yet, at most (`RecordWindow.add`)
+
+
 class RecordWindow:
     """Every tenant's records on this worker; with `grid`, also their number per bucket and
     cell of that grid (the counts the api answers whole cells of a count query from)."""
@@ -1197,9 +1200,32 @@ class RecordWindow:
         self.window_s = window_s
         self.bucket_s = bucket_s
         self.grid = grid
-        self.tenants: dict[str, TenantRecords] = {}
+        self._tenants: dict[str, TenantRecords] = {}
         # (tenant, bucket) whose counts changed since `changed` was last emptied
-        self.changed: set[tuple[str, int]] = set()
+        self._changed: set[tuple[str, int]] = set()
+        # batches added and not stored yet (`add`), with their buckets
+        self._pending: list[tuple[ObjectBatch, int]] = []
+        self._pending_rows = 0
+
+    @property
+    def tenants(self) -> dict[str, TenantRecords]:
+        """Every tenant's records, every batch added so far stored."""
+        self.store_pending()
+        return self._tenants
+
+    @property
+    def changed(self) -> set[tuple[str, int]]:
+        """(tenant, bucket) whose counts changed since this was last emptied."""
+        self.store_pending()
+        return self._changed
+
+    @changed.setter
+    def changed(self, value: set[tuple[str, int]]) -> None:
+        self._changed = value
+
+    def has_changes(self) -> bool:
+        """Whether `changed` is not empty, without storing what waits."""
+        return bool(self._changed or self._pending)
 
     def __len__(self) -> int:
         return sum(t.size for t in self.tenants.values())
@@ -1215,24 +1241,52 @@ class RecordWindow:
         return max(int(batch.sent_at // self.bucket_s), cut + 1)
 
     def add(self, batch: ObjectBatch, bucket: int) -> None:
-        """Store a batch of records (exit-only copies removed by the caller) in `bucket`."""
+        """Add a batch of records (exit-only copies removed by the caller) to `bucket`. It is
+        stored when anything reads the records or their counts, or once PENDING_ROWS wait:
+        a worker's step adds a few tens of records, and storing each step's alone (a chunk,
+        its cells counted) cost about as many numpy calls as storing a thousand steps'."""
         if not len(batch):
             return
-        chunk = Chunk.of(batch, bucket)
-        records = self.tenants.get(batch.tenant)
+        self._pending.append((batch, bucket))
+        self._pending_rows += len(batch)
+        if self._pending_rows >= PENDING_ROWS:
+            self.store_pending()
+
+    def store_pending(self) -> None:
+        """Store the batches `add` left waiting, in their order: each run of one tenant and
+        bucket as one chunk (each record's arrival time is its own batch's)."""
+        if not self._pending:
+            return
+        pending, self._pending, self._pending_rows = self._pending, [], 0
+        run = [pending[0]]
+        for item in pending[1:]:
+            if item[0].tenant == run[0][0].tenant and item[1] == run[0][1]:
+                run.append(item)
+            else:
+                self._store(run)
+                run = [item]
+        self._store(run)
+
+    def _store(self, run: list[tuple[ObjectBatch, int]]) -> None:
+        batches = [b for b, _ in run]
+        batch, bucket = ObjectBatch.concat(batches), run[0][1]
+        at = np.repeat(np.asarray([b.sent_at for b in batches], dtype=np.float64),
+                       [len(b) for b in batches])
+        chunk = Chunk.build(bucket, batch, at)
+        records = self._tenants.get(batch.tenant)
         if records is None:
-            records = self.tenants[batch.tenant] = TenantRecords()
+            records = self._tenants[batch.tenant] = TenantRecords()
         records.add(chunk)
         if self.grid is not None:
             records.count_cells(chunk, self.grid)
-            self.changed.add((batch.tenant, chunk.bucket))
+            self._changed.add((batch.tenant, chunk.bucket))
 
     def expire(self, now: float, through: int) -> None:
         """Forget the counts of buckets that left the window, drop the records of buckets up
         to `through` (archived: the oldest chunks while theirs is), and merge small chunks."""
         horizon = self.horizon(now)
         for tenant, records in self.tenants.items():
-            self.changed.update((tenant, b) for b in records.cell_counts if b < horizon)
+            self._changed.update((tenant, b) for b in records.cell_counts if b < horizon)
             records.expire(horizon, through)
             records.compact()
             vocab = records.vocab
@@ -1242,14 +1296,15 @@ class RecordWindow:
             del self.tenants[tenant]
 
     def index_keywords(self, deadline: float) -> None:
-        """`TenantRecords.index_keywords` of every tenant, until `deadline`."""
-        for records in self.tenants.values():
+        """`TenantRecords.index_keywords` of every tenant, until `deadline` (of the records
+        stored: those waiting are indexed once stored)."""
+        for records in self._tenants.values():
             if not records.index_keywords(deadline):
                 return
 
     def index_chunks(self) -> None:
-        """`TenantRecords.index_chunks` of every tenant."""
-        for records in self.tenants.values():
+        """`TenantRecords.index_chunks` of every tenant (stored)."""
+        for records in self._tenants.values():
             records.index_chunks()
 
     def buckets(self) -> set[int]:

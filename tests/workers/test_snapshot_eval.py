@@ -52,6 +52,15 @@ def read_by(request: pytest.FixtureRequest) -> Iterator[None]:
      records.QUERY_INDEXES_AFTER) = saved
     MERGED["merged"] = False
 
+
+@pytest.fixture(autouse=True)
+def stored_as_added(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each batch added is stored at once, one chunk each (a worker stores a step's batches
+    when something reads them: `test_batches_stored_later_answer_as_stored_at_once`), so
+    that these tests read as many chunks as they add batches."""
+    monkeypatch.setattr(records, "PENDING_ROWS", 1)
+
+
 # coordinates on the 0.1° cell borders, beside them, and at the world's edges
 coord_lon = st.one_of(st.integers(-1800, 1800).map(lambda i: i * CELL_DEG),
                       st.floats(-180, 180, allow_nan=False),
@@ -846,3 +855,57 @@ def test_keywords_are_listed_between_queries_once_a_query_asked_about_them() -> 
     assert all(c._signature is not None for c in t.chunks)
     listed = ask(w, wire.SnapshotQuery(type="keyword", keywords=["zz"]), limit=10)
     assert [r.id for r in listed.records] == ["n1"] * 4  # (added four times)
+
+
+@settings(max_examples=100, deadline=None)
+@given(runs=st.lists(st.tuples(st.sampled_from(["t", "u"]), st.integers(0, 2),
+                               st.lists(record_st, min_size=1, max_size=12)),
+                     min_size=1, max_size=25),
+       queries=st.lists(st.tuples(coord_lon, coord_lat, coord_lon, coord_lat), min_size=1,
+                        max_size=4))
+def test_batches_stored_later_answer_as_stored_at_once(
+        runs: list[tuple[str, int, list[tuple[float, float, set[str]]]]],
+        queries: list[tuple[float, float, float, float]]) -> None:
+    """A worker's step adds its batches to the window, stored (consecutive ones of a tenant
+    and bucket as one chunk) only when something reads the window: the same records in the
+    same order, with their own arrival times, the same counts per cell, and the same answers
+    as batches stored as added."""
+    grid = Grid(nx=360, ny=180)
+    eager, lazy = RecordWindow(3600, 60, grid), RecordWindow(3600, 60, grid)
+    records.PENDING_ROWS = 10**9  # (the fixture's 1 for `eager` below, by hand)
+    for c, (tenant, dbucket, rows) in enumerate(runs):
+        n = len(rows)
+        batch = wire.ObjectBatch(
+            tenant=tenant, sent_at=NOW + c, plan_version=1, ids=[f"o{c}-{i}" for i in range(n)],
+            record_ids=[f"r{c}-{i}" for i in range(n)], moving=[i % 2 == 0 for i in range(n)],
+            lon=[r[0] for r in rows], lat=[r[1] for r in rows], ts=[NOW + c] * n,
+            keywords=[sorted(r[2]) for r in rows], text=[None] * n, props=[None] * n,
+            prev=[None] * n, late=[False] * n, exit_only=[False] * n, decide_exit=[False] * n)
+        bucket = int(NOW // 60) - 2 + dbucket
+        eager.add(batch, bucket)
+        eager.store_pending()
+        lazy.add(batch, bucket)
+    assert lazy.has_changes() and lazy._pending  # nothing stored yet
+    assert lazy.changed == eager.changed
+    assert not lazy._pending
+
+    def rows_of(w: RecordWindow) -> dict[str, list[tuple[int, str, float, float]]]:
+        return {t: [(ch.bucket, oid, float(ch.at[j]), float(ch.lon[j])) for ch in r.chunks
+                    for j, oid in enumerate(ch.batch.ids)] for t, r in w.tenants.items()}
+
+    assert rows_of(lazy) == rows_of(eager)
+    for t in eager.tenants:
+        assert ({b: c.items() for b, c in lazy.tenants[t].cell_counts.items()}
+                == {b: c.items() for b, c in eager.tenants[t].cell_counts.items()})
+        assert dict(lazy.tenants[t].by_object) == dict(eager.tenants[t].by_object)
+    for x0, y0, x1, y1 in queries:
+        bbox = (min(x0, x1), min(y0, y1), max(x0, x1), max(y0, y1))
+        for t in eager.tenants:
+            for q in (wire.SnapshotQuery(type="count", bbox=bbox),
+                      wire.SnapshotQuery(type="range", bbox=bbox),
+                      wire.SnapshotQuery(type="range", bbox=bbox, latest=True)):
+                part = wire.QueryPart(reply="x", tenant=t, query=q, as_of=NOW + 100,
+                                      deadline=NOW + 160, limit=0)
+                got = evaluate(lazy.tenants[t], part, "w0", grid)
+                want = evaluate(eager.tenants[t], part, "w0", grid)
+                assert msgspec.to_builtins(got) == msgspec.to_builtins(want)
