@@ -554,6 +554,7 @@ class Coordinator:
         if self.pointer.forced:
             rec.details["forced"] = True
         self.state.update(r_s=r_s, costs=costs, reports_at=time.time())
+        self._note_gap(rec.round, costs)
         if self.settings.partitioning != "swarm":
             rec.details["reason"] = f"partitioning={self.settings.partitioning}"
             return
@@ -567,6 +568,16 @@ class Coordinator:
                 self.quiet_rounds = 0
                 self.merged_at = now
                 self.merge(rec, cfg)
+
+    def _note_gap(self, round_no: int, costs: dict[str, float]) -> None:
+        """In how many decided rounds in a row, this one included, some worker cost more than
+        `balance_min_gap` above the cheapest (`state["over_gap"]`: [round, rounds]); a
+        skipped round in between starts the count again (the layout may have changed)."""
+        over = len(costs) >= 2 and max(costs.values()) > min(costs.values()) * (
+            1 + self.settings.balance_min_gap)
+        last = self.state.get("over_gap") or [0, 0]
+        rounds = (last[1] + 1 if last[0] == round_no - 1 else 1) if over else 0
+        self.state["over_gap"] = [round_no, rounds]
 
     def rebalance(self, rec: RoundRecord, costs: dict[str, float], r_s: float,
                   cfg: BalancerConfig) -> None:
@@ -584,6 +595,12 @@ class Coordinator:
         if max(costs.values()) <= bar:
             rec.details["reason"] = (f"costs within {gap:.0%} of each other: no move is worth "
                                      "the pause it makes")
+            return
+        rounds = self.state["over_gap"][1]
+        if rounds < self.settings.balance_confirm_rounds:
+            rec.details["reason"] = (
+                f"costs more than {gap:.0%} apart in {rounds} round(s) in a row: a move waits "
+                f"for {self.settings.balance_confirm_rounds} (one round's costs may be noise)")
             return
         attempts: list[dict[str, Any]] = []
         rec.details["attempts"] = attempts

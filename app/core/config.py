@@ -61,6 +61,10 @@ class Settings(BaseSettings):
     # holds both workers' streams for a moment, and costs closer than the counts' own noise
     # gain nothing from it
     balance_min_gap: float = Field(default=0.1, ge=0)
+    # ...and only once costs were that far apart in this many decided rounds in a row: one
+    # round's costs alone swing by 10 % under a steady load (a move made on such a swing is
+    # undone by the next one the other way)
+    balance_confirm_rounds: int = Field(default=2, ge=1)
     # SWARM §4.3.1's occasional merge of adjacent partitions of one worker: at most this often
     # (a merged partition's cost N·Q·R exceeds the sum of its parts', which a rebalance then
     # answers by splitting it again)

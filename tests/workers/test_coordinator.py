@@ -268,7 +268,9 @@ def _worlds(redis_url: str, template_db: Path, tmp_path: Path) -> Iterator[Calla
         env = {k: v for k, v in os.environ.items() if not k.startswith("GEOSWARM_")}
         env.update({"GEOSWARM_REDIS_URL": url, "GEOSWARM_DATABASE_URL": db_url,
                     "GEOSWARM_DATA_DIR": str(tmp_path), "GEOSWARM_ENVIRONMENT": "test",
-                    "GEOSWARM_BALANCE_PERIOD_S": "0.3"})
+                    "GEOSWARM_BALANCE_PERIOD_S": "0.3",
+                    # a move at the first round over the gap (the confirmation's own test sets 2)
+                    "GEOSWARM_BALANCE_CONFIRM_ROUNDS": "1"})
         env.update({f"GEOSWARM_{k.upper()}": v for k, v in settings.items()})
         world = World(url=url, tmp=tmp_path, env=env, redis=client, db_url=db_url)
         worlds.append(world)
@@ -475,6 +477,31 @@ def test_no_move_between_costs_closer_than_the_minimum_gap(
     assert (far.mh, far.ml) == ("w0", "w1") and far.details["attempts"][0]["mh"] == "w0"
     assert [m["n"] for m in world.workers["w0"].received("reduce")][:1] == [far.round]
     assert not world.workers["w1"].received("reduce")
+
+
+def test_a_gap_seen_in_one_round_alone_moves_nothing(
+        world_factory: Callable[..., World]) -> None:
+    """balance_confirm_rounds 2, beta = 1: w0 costs 30 % more than w1 in every third round
+    only (one round's costs swinging, as under a steady load): no one is asked, and the
+    rounds say why; from round 12 on it costs 30 % more in every round, and w0 is asked to
+    shed load at the second such round in a row."""
+    world = world_factory(balance_period_s="0.3", balance_beta="1", balance_min_gap="0.1",
+                          balance_confirm_rounds="2")
+    set_plan(world.redis, initial_plan(GRID, ["w0", "w1"]))
+    world.worker("w0", lambda n: (130 if n >= 12 or n % 3 == 0 else 100, 10), answer_none)
+    world.worker("w1", constant(100, 10), answer_none)
+    world.coordinator()
+    rows = decided(world.wait_rounds(lambda rows: any(
+        "attempts" in r.details for r in rows), timeout=60))
+    asked = [r for r in rows if "attempts" in r.details]
+    assert asked[0].round >= 13, rows
+    assert [a["mh"] for a in asked[0].details["attempts"]] == ["w0"]
+    waited = [r for r in rows if r.decision == "rebalance" and "attempts" not in r.details
+              and r.details.get("reason", "").startswith("costs more than 10% apart in 1 ")]
+    assert waited, rows
+    first = min(r.round for r in rows if r.round >= 12)
+    assert asked[0].round <= first + 3, rows  # (beta 1: a rebalance every other round)
+    assert [m["n"] for m in world.workers["w0"].received("reduce")][:1] == [asked[0].round]
 
 
 def decided(rows: list[Row]) -> list[Row]:
