@@ -28,7 +28,7 @@ I64 = np.ndarray[Any, np.dtype[np.int64]]
 Mask = np.ndarray[Any, np.dtype[np.bool_]]
 Rect = tuple[int, int, int, int]
 
-POINTS_PENDING = 50_000  # objects added and not counted yet, at most (`add_points`)
+POINTS_PENDING = 4096  # objects added and not counted yet, at most (`add_points`)
 
 
 @dataclass
