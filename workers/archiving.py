@@ -130,4 +130,4 @@ class Archiver:
         took = time.monotonic() - started
         if took > 1.0:
             log.info("archive flush of %s's window took %.1f s", self.origin, took)
-        window.expire(now, self.through(window, now))
+        window.expire(now, self.through(window, now), settled_only=True)
