@@ -36,7 +36,11 @@ from app.pipeline.control import (
     plan_cas_args,
     plan_stage_args,
 )
-from app.pipeline.histories import APPEND_HISTORY_LUA, history_housekeeping_ms
+from app.pipeline.histories import (
+    APPEND_HISTORY_LUA,
+    history_chunks,
+    history_housekeeping_ms,
+)
 from app.pipeline.hops import HopTimes
 from app.pipeline.knnreg import DROP_WORKER_SCRIPT, MERGE_SCRIPT
 from app.pipeline.outbox import Relayer
@@ -132,9 +136,6 @@ return out
 """
 
 
-HISTORY_CHUNK = 4096  # history entries per script call (bounds the time Redis is busy)
-
-
 def history_call(sub_ids: list[str], refs: list[bytes]) -> tuple[list[str], list[Any]]:
     """HISTORY_SCRIPT's keys, and its arguments from m on, for these subscriptions' entries."""
     hashes: dict[str, int] = {}
@@ -144,22 +145,6 @@ def history_call(sub_ids: list[str], refs: list[bytes]) -> tuple[list[str], list
         streams.append(stream)
         at.append(hashes.setdefault(last, len(hashes) + 1))
     return [*hashes, *streams], [len(hashes), *at, *refs]
-
-
-def history_chunks(sub_ids: list[str], one_slot: bool) -> list[tuple[int, int]]:
-    """The [start, end) ranges of one script call each: at most HISTORY_CHUNK entries, and,
-    when `one_slot` (a Redis Cluster, where a script's keys share a hash slot), of one history
-    group (the entries sorted by group first: `by_history_group`)."""
-    out = []
-    a = 0
-    while a < len(sub_ids):
-        b = min(len(sub_ids), a + HISTORY_CHUNK)
-        if one_slot:
-            tag = names.history_tag(sub_ids[a])
-            b = next((i for i in range(a + 1, b) if names.history_tag(sub_ids[i]) != tag), b)
-        out.append((a, b))
-        a = b
-    return out
 
 
 def by_history_group(sub_ids: list[str], refs: list[bytes]) -> tuple[list[str], list[bytes]]:

@@ -18,7 +18,7 @@ import orjson
 from app.core.redis import is_pipeline, run_script
 from app.geo.geometry import circle_bbox
 from app.pipeline import knnreg, names, wire
-from app.pipeline.histories import history_housekeeping_ms
+from app.pipeline.histories import history_chunks, history_housekeeping_ms
 from workers.knn import MOVING, KnnState, KnnSub, knn_sub
 
 if TYPE_CHECKING:
@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+MERGE_CHUNK = 256  # reports per merge call at most (bounds the time Redis is busy)
 
 
 class KnnRegistry:
@@ -74,7 +75,10 @@ class KnnRegistry:
         self.reports += len(taken)
         direct = not is_pipeline(pipe)
         outbox = self.ex.relayer is not None
-        for call in _merge_calls(taken, outbox):
+        if outbox:  # (a call per history group: see `history_chunks`)
+            taken.sort(key=lambda t: names.history_tag(t[0].id))
+        for a, b in history_chunks([sub.id for sub, _ in taken], outbox, MERGE_CHUNK):
+            call = taken[a:b]
             keys, args = knnreg.merge_call(self.ex.id, tenant, self._history_args,
                                            [r for _, r in call], outbox, clear)
             if direct:
@@ -377,27 +381,6 @@ class KnnRegistry:
         if changed:
             self.report(msg.tenant, changed, pipe)
             notify.setdefault(msg.tenant, set()).update(s.id for s in changed)
-
-
-MERGE_CHUNK = 256  # reports per merge call at most (bounds the time Redis is busy)
-
-
-def _merge_calls(taken: list[tuple[KnnSub, knnreg.Report]], one_slot: bool
-                 ) -> list[list[tuple[KnnSub, knnreg.Report]]]:
-    """The reports of each merge call: at most MERGE_CHUNK, and of one history group when
-    `one_slot` (a Redis Cluster, where a script's keys share a hash slot)."""
-    if one_slot:
-        taken = sorted(taken, key=lambda t: names.history_tag(t[0].id))
-    calls: list[list[tuple[KnnSub, knnreg.Report]]] = []
-    for item in taken:
-        last = calls[-1] if calls else None
-        if (last is None or len(last) >= MERGE_CHUNK
-                or (one_slot and names.history_tag(last[0][0].id)
-                    != names.history_tag(item[0].id))):
-            calls.append([item])
-        else:
-            last.append(item)
-    return calls
 
 
 def _merge_could_change(sub: KnnSub, members: tuple[Hashable, ...]) -> bool:

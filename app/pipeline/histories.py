@@ -4,6 +4,27 @@
 
 from __future__ import annotations
 
+from app.pipeline import names
+
+HISTORY_CHUNK = 4096  # history entries per script call (bounds the time Redis is busy)
+
+
+def history_chunks(sub_ids: list[str], one_slot: bool, size: int = HISTORY_CHUNK
+                   ) -> list[tuple[int, int]]:
+    """The [start, end) ranges of one script call each: at most `size` subscriptions, and,
+    when `one_slot` (a Redis Cluster, where a script's keys share a hash slot), of one history
+    group (the subscriptions sorted by group first)."""
+    out = []
+    a = 0
+    while a < len(sub_ids):
+        b = min(len(sub_ids), a + size)
+        if one_slot:
+            tag = names.history_tag(sub_ids[a])
+            b = next((i for i in range(a + 1, b) if names.history_tag(sub_ids[i]) != tag), b)
+        out.append((a, b))
+        a = b
+    return out
+
 # append_history(stream, prev, maxlen, max_age_ms, ttl, period_ms, field, value, ...): XADD
 # the fields to the stream, trimmed to about `maxlen` entries, and return the new id. `prev`
 # is the id of the stream's entry before it ('0-0': none). The stream's age trim (entries

@@ -13,14 +13,8 @@ import orjson
 import redis
 
 from app.pipeline import knnreg, names
-from app.pipeline.histories import history_housekeeping_ms
-from workers.executor import (
-    HISTORY_CHUNK,
-    HISTORY_SCRIPT,
-    by_history_group,
-    history_call,
-    history_chunks,
-)
+from app.pipeline.histories import HISTORY_CHUNK, history_chunks, history_housekeeping_ms
+from workers.executor import HISTORY_SCRIPT, by_history_group, history_call
 
 AGE_MS = 1000  # far above the time the appends take, even on a loaded machine
 
