@@ -592,11 +592,11 @@ class Coordinator:
         rec.ml = ml
         gap = self.settings.balance_min_gap
         bar = costs[ml] * (1 + gap)  # only workers costing more are asked
-        if max(costs.values()) <= bar:
+        rounds = self.state["over_gap"][1]  # (`_note_gap`: this round's included)
+        if not rounds:
             rec.details["reason"] = (f"costs within {gap:.0%} of each other: no move is worth "
                                      "the pause it makes")
             return
-        rounds = self.state["over_gap"][1]
         if rounds < self.settings.balance_confirm_rounds:
             rec.details["reason"] = (
                 f"costs more than {gap:.0%} apart in {rounds} round(s) in a row: a move waits "
