@@ -126,9 +126,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--workers", type=int, default=2, help="--live: worker processes")
     ap.add_argument("--request", type=int, default=100,
                     help="--live: updates per HTTP request (latency grows with it)")
-    ap.add_argument("--registration", choices=["both", "bounded", "broadcast"],
+    ap.add_argument("--registration", choices=["both", "all", "bounded", "broadcast", "none"],
                     default="both", help="--live: kNN registrations bounded by a radius, "
-                    "the broadcast baseline, or both one after the other (default)")
+                    "the broadcast baseline, both one after the other (default), or `all`: "
+                    "both and then `none`, the same updates without any subscription, to "
+                    "tell what the subscriptions add to the workers' CPU per update")
     ap.add_argument("--balance", type=float, default=0.0, metavar="SECONDS",
                     help="--live: run a coordinator (SWARM balancing) and pace the load this "
                     "long, untimed, before the timed part")
@@ -139,19 +141,31 @@ def main(argv: list[str] | None = None) -> None:
     if args.live:
         from bench.knn_live import run as run_live
 
-        modes = (["bounded", "broadcast"] if args.registration == "both"
-                 else [args.registration])
+        modes = {"both": ["bounded", "broadcast"],
+                 "all": ["bounded", "broadcast", "none"]}.get(args.registration,
+                                                                [args.registration])
         outs = [run_live(args.objects, args.subs, args.k, args.rate, args.seconds,
                          args.request, args.workers, args.seed, broadcast=m == "broadcast",
-                         balance_s=args.balance, move_every=args.moves)
+                         balance_s=args.balance, move_every=args.moves,
+                         subscribe_knn=m != "none")
                 for m in modes]
         width = max(len(key) for key in outs[0])
         print(f"{'':<{width}}  " + "".join(f"{m:>24}" for m in modes))
         for key in outs[0]:
             print(f"{key:<{width}}  " + "".join(f"{str(o[key]):>24}" for o in outs))
-        if len(outs) == 2 and outs[0]["worker_cpu_us_per_update"]:
-            ratio = outs[1]["worker_cpu_us_per_update"] / outs[0]["worker_cpu_us_per_update"]
-            print(f"worker CPU per update, broadcast / bounded: {ratio:.1f}x")
+        cpu = {m: o["worker_cpu_us_per_update"] for m, o in zip(modes, outs, strict=True)}
+        if cpu.get("bounded") and "broadcast" in cpu:
+            print(f"worker CPU per update, broadcast / bounded: "
+                  f"{cpu['broadcast'] / cpu['bounded']:.1f}x")
+        if "none" in cpu and "bounded" in cpu and "broadcast" in cpu:
+            # what the subscriptions add, over the same updates without any: the part of the
+            # workers' CPU that the way they are registered decides
+            added = {m: cpu[m] - cpu["none"] for m in ("bounded", "broadcast")}
+            print(f"worker CPU per update without subscriptions: {cpu['none']:.1f} us; "
+                  f"added by them, bounded {added['bounded']:.1f} us, broadcast "
+                  f"{added['broadcast']:.1f} us"
+                  + (f", broadcast / bounded: {added['broadcast'] / added['bounded']:.1f}x"
+                     if added["bounded"] > 0 else ""))
         if any(o["last_lists_wrong"] for o in outs):
             raise SystemExit("some last lists differ from brute force")
         return

@@ -122,7 +122,7 @@ def nearest_ids(qlon: Any, qlat: Any, lon: Any, lat: Any, ids: list[str], k: int
 
 async def drive(server: LiveServer, n_objects: int, n_subs: int, k: int, rate: float,
                 seconds: float, batch: int, seed: int, check: int, warmup_s: float = 0.0,
-                move_every: float = 0.0) -> dict[str, Any]:
+                move_every: float = 0.0, subscribe_knn: bool = True) -> dict[str, Any]:
     rng = np.random.default_rng(seed)
     lon, lat = city_points(n_objects, rng)
     slon, slat = city_points(n_subs, rng, jitter_km=10.0)
@@ -146,7 +146,10 @@ async def drive(server: LiveServer, n_objects: int, n_subs: int, k: int, rate: f
         specs = [{"type": "knn", "point": [float(slon[i]), float(slat[i])], "k": k}
                  for i in range(n_subs)]
         t0 = time.perf_counter()
-        sub_ids = await subscribe(client, h, specs, 5000)
+        # without subscriptions (the baseline of what they cost): the same updates, probes
+        # included, but nothing to time or check
+        sub_ids = (await subscribe(client, h, specs, 5000) if subscribe_knn
+                   else [f"none-{i}" for i in range(n_subs)])
         subscribe_s = time.perf_counter() - t0
         # the first lists of every subscription arrive (or are in the history already)
         await receiver.quiet()
@@ -176,7 +179,7 @@ async def drive(server: LiveServer, n_objects: int, n_subs: int, k: int, rate: f
                 for q in stale:
                     del receiver.probes[q]
                 superseded += len(stale) if timed else 0
-                if timed:
+                if timed and subscribe_knn:
                     receiver.probes[sub_ids[s]] = (ids[p], float(lon[p]), float(lat[p]), at)
                 objs = [{"id": ids[i], "lon": float(lon[i]), "lat": float(lat[i]), "ts": at}
                         for i in [p, *pick.tolist()]]
@@ -234,8 +237,8 @@ async def drive(server: LiveServer, n_objects: int, n_subs: int, k: int, rate: f
             if n:
                 hops[f"move_{side}_ms"] = f"n {n}  mean {took / n * 1000:.0f}"
         task.cancel()
-    sample = (list(range(n_subs)) if check <= 0 or check >= n_subs else
-              rng.choice(n_subs, size=check, replace=False).tolist())
+    sample = ([] if not subscribe_knn else list(range(n_subs)) if check <= 0 or check >= n_subs
+              else rng.choice(n_subs, size=check, replace=False).tolist())
     # on how many workers each subscription of the sample is registered (merged lists)
     r = redis.Redis.from_url(server.redis_url)
     pipe = r.pipeline(transaction=False)
@@ -286,8 +289,10 @@ async def drive(server: LiveServer, n_objects: int, n_subs: int, k: int, rate: f
 def run(n_objects: int = 100_000, n_subs: int = 10_000, k: int = 10, rate: float = 5_000,
         seconds: float = 20.0, batch: int = 250, workers: int = 2, seed: int = 1,
         check: int = 0, broadcast: bool = False, balance_s: float = 0.0,
-        move_every: float = 0.0) -> dict[str, Any]:
-    """One run; `broadcast`: every subscription on every worker, unbounded (the baseline).
+        move_every: float = 0.0, subscribe_knn: bool = True) -> dict[str, Any]:
+    """One run; `broadcast`: every subscription on every worker, unbounded (the baseline);
+    `subscribe_knn` False: no subscription at all, the same updates (what the workers spend
+    on the updates alone, which neither registration changes).
     `balance_s` > 0: a coordinator balances the load (SWARM) from the start, and the load is
     paced that long, untimed, before the timed part. `move_every` > 0: a partition moves
     between two workers that often during the timed part (the balancer's own rounds off
@@ -300,7 +305,7 @@ def run(n_objects: int = 100_000, n_subs: int = 10_000, k: int = 10, rate: float
             httpx.put(server.base_url + "/v1/admin/balancer", json={"enabled": False},
                       headers=server.admin(), timeout=10).raise_for_status()
         return asyncio.run(drive(server, n_objects, n_subs, k, rate, seconds, batch, seed,
-                                 check, balance_s, move_every))
+                                 check, balance_s, move_every, subscribe_knn))
 
 
 def knn_reports(server: LiveServer) -> dict[str, int]:

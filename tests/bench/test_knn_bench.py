@@ -45,6 +45,22 @@ def test_tiny_live_run_delivers_exact_last_lists() -> None:
     assert "broadcast / bounded" in lines[-1], out.stdout
 
 
+def test_a_live_run_without_subscriptions_times_the_updates_alone() -> None:
+    """`--registration none`: the same paced updates with no subscription (what the workers
+    spend on the updates alone): nothing pushed, nothing to time or check, and the workers'
+    CPU per update still measured."""
+    out = run_bench("knn", "--live", "--objects", "2000", "--subs", "100", "--rate", "400",
+                    "--seconds", "2", "--request", "40", "--registration", "none", timeout=240)
+    lines = out.stdout.splitlines()
+    assert lines[0].split() == ["none"], out.stdout
+    rows = {line.split()[0]: line.split()[1:] for line in lines[1:] if line.strip()}
+    assert rows["updates"] == ["800"], out.stdout
+    assert rows["lists_pushed"] == ["0"] and rows["probes_timed"] == ["0"], out.stdout
+    assert rows["last_lists_checked"] == ["0"], out.stdout
+    assert rows["workers_per_subscription"] == ["0.0"], out.stdout
+    assert float(rows["worker_cpu_us_per_update"][0]) > 0, out.stdout
+
+
 def test_the_live_runs_brute_force_is_exact_everywhere() -> None:
     """The grid search that checks every last list equals a scan of every object, also at
     the poles, across the antimeridian and where objects are sparse."""
