@@ -237,8 +237,12 @@ async def drive(server: LiveServer, n_objects: int, n_subs: int, k: int, rate: f
             if n:
                 hops[f"move_{side}_ms"] = f"n {n}  mean {took / n * 1000:.0f}"
         task.cancel()
-    sample = ([] if not subscribe_knn else list(range(n_subs)) if check <= 0 or check >= n_subs
-              else rng.choice(n_subs, size=check, replace=False).tolist())
+    if not subscribe_knn:
+        sample: list[int] = []  # no list to check
+    elif check <= 0 or check >= n_subs:
+        sample = list(range(n_subs))
+    else:
+        sample = rng.choice(n_subs, size=check, replace=False).tolist()
     # on how many workers each subscription of the sample is registered (merged lists)
     r = redis.Redis.from_url(server.redis_url)
     pipe = r.pipeline(transaction=False)
